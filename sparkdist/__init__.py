@@ -1,0 +1,36 @@
+"""sparkdist: launch PyTorch distributed training on Apache Spark (or on this machine).
+
+Importing sparkdist imports none of torch, pyspark, deepspeed or mlflow; they load when used.
+"""
+
+from sparkdist import runtime
+from sparkdist._config import Mode
+from sparkdist._errors import (
+    ClusterError,
+    ConfigError,
+    RankFailure,
+    RendezvousError,
+    RunTimeoutError,
+    SparkdistError,
+    WorkerFailedError,
+)
+from sparkdist._result import RunResult
+from sparkdist.distributor import Distributor, TorchDistributor
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterError",
+    "ConfigError",
+    "Distributor",
+    "Mode",
+    "RankFailure",
+    "RendezvousError",
+    "RunResult",
+    "RunTimeoutError",
+    "SparkdistError",
+    "TorchDistributor",
+    "WorkerFailedError",
+    "__version__",
+    "runtime",
+]

@@ -1,0 +1,460 @@
+"""The agent: spawns and watches the workers of one node (a barrier task, or the driver in local
+mode), forwards their output, and relays the rendezvous.
+
+The same ``run_agent`` runs inside a Spark barrier task and, in local mode, on a thread of the
+driver (DESIGN.md rule 7). It talks to the driver only through the control channel, and returns
+one ``Outcome`` per rank; failures are data here, never exceptions, so the driver always learns
+every rank's fate through the same path.
+
+Watching: a worker that fails on its own is reported to the driver at once and its node-mates
+are killed without waiting for the driver's word; an "abort" from the driver (another node
+failed, a timeout, Ctrl-C) kills every worker here. Each worker leads its own process group, so
+killing the group takes its children (DataLoader workers) along.
+
+Non-goals: deciding placement or environment (``_placement``, ``_env``), touching Spark.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from sparkdist import _worker
+from sparkdist._channel import ChannelClient, ChannelClosed, Message
+from sparkdist._env import RankSeat, seats_of_node, worker_env
+from sparkdist._errors import RankFailure
+from sparkdist._payload import Outcome
+
+logger = logging.getLogger("sparkdist")
+
+#: A line longer than this is cut into pieces of this size.
+MAX_LINE_BYTES = 64 * 1024
+#: Lines kept per rank for the failure report.
+LAST_LINES = 20
+#: Output lines buffered for the driver before new ones are dropped (and counted).
+OUTBOX_CAPACITY = 10_000
+#: How long a finished agent waits for its buffered output to reach the driver.
+FLUSH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """Everything one agent needs; pickled into the Spark task (or passed in local mode).
+
+    Attributes:
+        run_id: the run's id.
+        job_bytes: the pickled Job.
+        node_rank: this node's index; its ranks are node_rank * processes_per_node + i.
+        num_nodes: nodes in the run.
+        processes_per_node: ranks this node runs.
+        master_addr: host of rank 0, where the store lives.
+        host: this node's host, for messages.
+        channel_address: (host, port) of the driver's control channel.
+        secret: the run's channel secret.
+        gpu_addresses: CUDA_VISIBLE_DEVICES for the ranks, or None for CPU.
+        mode: the launch mode's name.
+        start_timeout_s: how long workers wait for the rendezvous.
+        extra_env: variables to add to every rank's environment.
+        restart_count: how many times the run restarted so far.
+        max_restarts: how many restarts the run allows.
+    """
+
+    run_id: str
+    job_bytes: bytes
+    node_rank: int
+    num_nodes: int
+    processes_per_node: int
+    master_addr: str
+    host: str
+    channel_address: tuple[str, int]
+    secret: str
+    gpu_addresses: str | None
+    mode: str
+    start_timeout_s: float
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    restart_count: int = 0
+    max_restarts: int = 0
+
+
+class _Outbox:
+    """Messages for the driver, sent by one thread so nothing else ever blocks on the socket.
+
+    Control messages are never dropped; output lines are dropped (and counted) when the driver
+    falls behind, so a slow or vanished driver never stalls training.
+    """
+
+    def __init__(self, client: ChannelClient | None) -> None:
+        self._client = client
+        self._control: collections.deque[Message] = collections.deque()
+        self._lines: collections.deque[Message] = collections.deque()
+        self._cond = threading.Condition()
+        self._closing = False
+        self._final: Message | None = None
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._send_loop, name="sparkdist-outbox", daemon=True)
+        self._thread.start()
+
+    def control(self, message: Message) -> None:
+        with self._cond:
+            self._control.append(message)
+            self._cond.notify()
+
+    def line(self, message: Message) -> None:
+        with self._cond:
+            if len(self._lines) >= OUTBOX_CAPACITY or self._client is None:
+                self.dropped += 1
+                return
+            self._lines.append(message)
+            self._cond.notify()
+
+    def close(self, timeout_s: float, final: Message | None = None) -> None:
+        """Send what is queued (within ``timeout_s``), then ``final`` with the drop count."""
+        with self._cond:
+            if not self._closing and final is not None:
+                self._final = final
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout=timeout_s)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._control or self._lines or self._closing):
+                    self._cond.wait()
+                if self._control:
+                    message = self._control.popleft()
+                elif self._lines:
+                    message = self._lines.popleft()
+                elif self._final is not None:
+                    message, self._final = {**self._final, "dropped": self.dropped}, None
+                else:
+                    return
+            if self._client is None:
+                continue
+            try:
+                self._client.send(message)
+            except (ChannelClosed, OSError, ValueError):
+                with self._cond:
+                    self.dropped += len(self._lines) + (message.get("t") == "log")
+                    self._lines.clear()
+                    self._control.clear()
+                    self._client = None
+
+
+class _Worker:
+    """One spawned rank and the threads that serve it."""
+
+    def __init__(self, seat: RankSeat, proc: subprocess.Popen[bytes], ctrl_in: IO[bytes]) -> None:
+        self.seat = seat
+        self.proc = proc
+        self.ctrl_in = ctrl_in  # our write end of its command pipe; open until it exits
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.ended_at = 0.0
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+        self.threads: list[threading.Thread] = []
+        self.killed = False
+
+    def tell(self, message: Message) -> None:
+        try:
+            self.ctrl_in.write(json.dumps(message).encode() + b"\n")
+            self.ctrl_in.flush()
+        except (OSError, ValueError):
+            pass  # it already exited; its waiter reports that
+
+    def kill(self) -> None:
+        """End the rank: SIGKILL its whole process group."""
+        self.killed = True
+        self.signal_group()
+
+    def signal_group(self) -> None:
+        """SIGKILL the rank's process group (a no-op once everything in it is gone)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_agent(spec: AgentSpec) -> list[Outcome]:
+    """Run this node's ranks to the end and return one Outcome per rank, in rank order."""
+    return _Agent(spec).run()
+
+
+class _Agent:
+    def __init__(self, spec: AgentSpec) -> None:
+        self.spec = spec
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.workers: dict[int, _Worker] = {}
+        self.master_port: int | None = None
+        self.aborting = False
+        self.abort_reason = ""
+        self.lock = threading.Lock()
+
+    def run(self) -> list[Outcome]:
+        run_dir = tempfile.mkdtemp(prefix=f"sparkdist-{self.spec.run_id}-{self.spec.node_rank}-")
+        client: ChannelClient | None = None
+        outbox: _Outbox | None = None
+        try:
+            job_file = os.path.join(run_dir, "job.pkl")
+            with open(job_file, "wb") as f:
+                f.write(self.spec.job_bytes)
+            # Spawn first: the workers' interpreter start-up overlaps with our handshake.
+            self._spawn_all(run_dir, job_file)
+            try:
+                client = ChannelClient(
+                    self.spec.channel_address,
+                    self.spec.secret,
+                    on_message=self._on_driver_message,
+                    on_close=lambda: self.events.put(("driver_gone", None)),
+                )
+            except (OSError, ChannelClosed) as exc:
+                # Without the driver there is no rendezvous: end every rank now and say why.
+                self._abort(f"cannot reach the driver's control channel: {exc}")
+            outbox = _Outbox(client)
+            outbox.control({"t": "hello", "node": self.spec.node_rank, "host": self.spec.host})
+            self._start_threads(outbox)
+            self._watch(outbox)
+            outcomes = [self._outcome_of(w, run_dir) for w in self.workers.values()]
+            # "bye" goes after the last output line: the driver knows the output is complete.
+            outbox.close(FLUSH_TIMEOUT_S, final={"t": "bye", "node": self.spec.node_rank})
+            return outcomes
+        finally:
+            for worker in self.workers.values():
+                worker.kill()
+                worker.proc.wait()
+            if outbox is not None:
+                outbox.close(FLUSH_TIMEOUT_S)
+            if client is not None:
+                client.close()
+                client.join(FLUSH_TIMEOUT_S)
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    # -- spawning -------------------------------------------------------------------------
+
+    def _spawn_all(self, run_dir: str, job_file: str) -> None:
+        spec = self.spec
+        for seat in seats_of_node(spec.node_rank, spec.processes_per_node, spec.num_nodes):
+            env = worker_env(
+                os.environ,
+                seat,
+                master_addr=spec.master_addr,
+                run_id=spec.run_id,
+                restart_count=spec.restart_count,
+                max_restarts=spec.max_restarts,
+                cuda_visible_devices=spec.gpu_addresses,
+                mode=spec.mode,
+                host=spec.host,
+                extra=spec.extra_env,
+            )
+            cmd_read, cmd_write = os.pipe()
+            note_read, note_write = os.pipe()
+            env[_worker.CTRL_IN_VAR] = str(cmd_read)
+            env[_worker.CTRL_OUT_VAR] = str(note_write)
+            env[_worker.JOB_FILE_VAR] = job_file
+            env[_worker.RESULT_DIR_VAR] = run_dir
+            env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", "from sparkdist._worker import main; main()"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(cmd_read, note_write),
+                    start_new_session=True,  # its own group: Ctrl-C is ours to handle, and
+                    # killpg reaches its children
+                )
+            finally:
+                os.close(cmd_read)
+                os.close(note_write)
+            worker = _Worker(seat, proc, os.fdopen(cmd_write, "wb"))
+            worker.notes = os.fdopen(note_read, "rb")  # type: ignore[attr-defined]
+            self.workers[seat.rank] = worker
+
+    def _start_threads(self, outbox: _Outbox) -> None:
+        for worker in self.workers.values():
+            assert worker.proc.stdout is not None and worker.proc.stderr is not None
+            targets: list[tuple[Any, tuple[Any, ...]]] = [
+                (self._forward, (worker, worker.proc.stdout, "stdout", outbox)),
+                (self._forward, (worker, worker.proc.stderr, "stderr", outbox)),
+                (self._read_notes, (worker, outbox)),
+                (self._wait, (worker,)),
+            ]
+            for target, args in targets:
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                worker.threads.append(thread)
+
+    # -- threads --------------------------------------------------------------------------
+
+    def _forward(self, worker: _Worker, pipe: IO[bytes], stream: str, outbox: _Outbox) -> None:
+        rank = worker.seat.rank
+        pending = b""
+        fd = pipe.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            pending += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+            *lines, pending = pending.split(b"\n")
+            while len(pending) > MAX_LINE_BYTES:
+                lines.append(pending[:MAX_LINE_BYTES])
+                pending = pending[MAX_LINE_BYTES:]
+            for raw in lines:
+                self._emit(worker, raw, stream, outbox, rank)
+        if pending:
+            self._emit(worker, pending, stream, outbox, rank)
+        pipe.close()
+
+    def _emit(self, worker: _Worker, raw: bytes, stream: str, outbox: _Outbox, rank: int) -> None:
+        for start in range(0, max(len(raw), 1), MAX_LINE_BYTES):
+            text = raw[start : start + MAX_LINE_BYTES].decode("utf-8", errors="replace")
+            if not text and raw:
+                continue
+            worker.last_lines.append(text)
+            outbox.line({"t": "log", "rank": rank, "stream": stream, "line": text})
+
+    def _read_notes(self, worker: _Worker, outbox: _Outbox) -> None:
+        notes: IO[bytes] = worker.notes  # type: ignore[attr-defined]
+        for raw in notes:
+            try:
+                note = json.loads(raw)
+            except ValueError:
+                continue
+            if note.get("t") == "store":
+                outbox.control({"t": "store", "port": int(note["port"])})
+            elif note.get("t") == "ready":
+                outbox.control({"t": "ready", "rank": worker.seat.rank})
+        notes.close()
+
+    def _wait(self, worker: _Worker) -> None:
+        code = worker.proc.wait()
+        worker.ended = time.monotonic()
+        worker.ended_at = time.time()
+        self.events.put(("exit", (worker, code)))
+
+    def _on_driver_message(self, message: Message) -> None:
+        kind = message.get("t")
+        if kind == "rendezvous":
+            port = int(message["master_port"])
+            with self.lock:
+                self.master_port = port
+                workers = list(self.workers.values())
+            for worker in workers:
+                worker.tell({"t": "rendezvous", "master_port": port})
+        elif kind == "abort":
+            self.events.put(("abort", str(message.get("reason", "the driver aborted the run"))))
+
+    # -- watching -------------------------------------------------------------------------
+
+    def _watch(self, outbox: _Outbox) -> None:
+        running = set(self.workers)
+        while running:
+            kind, payload = self.events.get()
+            if kind == "exit":
+                worker, code = payload
+                running.discard(worker.seat.rank)
+                worker.ctrl_in.close()
+                # Strays the rank left behind (its children) go with it.
+                worker.signal_group()
+                if code != 0 and not self.aborting:
+                    outbox.control(
+                        {"t": "failed", "rank": worker.seat.rank, "exit_code": code,
+                         "time": time.time()}
+                    )
+                    self._abort(f"rank {worker.seat.rank} failed")
+            elif kind == "abort":
+                self._abort(str(payload))
+            elif kind == "driver_gone" and self.master_port is None:
+                # Before the rendezvous the run cannot go on without the driver.
+                self._abort("the driver's control channel closed before the rendezvous")
+
+    def _abort(self, reason: str) -> None:
+        if self.aborting:
+            return
+        self.aborting = True
+        self.abort_reason = reason
+        for worker in self.workers.values():
+            if worker.ended is None:
+                worker.kill()
+
+    # -- outcomes -------------------------------------------------------------------------
+
+    def _outcome_of(self, worker: _Worker, run_dir: str) -> Outcome:
+        for thread in worker.threads:
+            thread.join(timeout=FLUSH_TIMEOUT_S)
+        seat, code = worker.seat, worker.proc.returncode
+        wall = (worker.ended or time.monotonic()) - worker.started
+        value_file = _worker.value_path(run_dir, seat.rank)
+        failure_file = _worker.failure_path(run_dir, seat.rank)
+        killed_by_us = worker.killed and code is not None and code < 0
+        if code == 0 and os.path.exists(value_file):
+            with open(value_file, "rb") as f:
+                return Outcome(
+                    seat.rank, self.spec.host, code, wall, value_bytes=f.read(),
+                    ended_at=worker.ended_at,
+                )
+        failure = self._failure_of(worker, failure_file, code)
+        return Outcome(
+            seat.rank, self.spec.host, code, wall, failure=failure, aborted=killed_by_us,
+            ended_at=worker.ended_at,
+        )
+
+    def _failure_of(self, worker: _Worker, failure_file: str, code: int | None) -> RankFailure:
+        last = tuple(worker.last_lines)
+        if os.path.exists(failure_file):
+            import cloudpickle
+
+            with open(failure_file, "rb") as f:
+                recorded: RankFailure = cloudpickle.load(f)
+            return RankFailure(
+                rank=recorded.rank,
+                host=self.spec.host,
+                exit_code=code,
+                exc_type=recorded.exc_type,
+                message=recorded.message,
+                traceback=recorded.traceback,
+                last_lines=last,
+                exception_bytes=recorded.exception_bytes,
+            )
+        message = _describe_exit(code)
+        if worker.killed and self.aborting:
+            message = f"stopped by sparkdist: {self.abort_reason}"
+        return RankFailure(
+            rank=worker.seat.rank,
+            host=self.spec.host,
+            exit_code=code,
+            exc_type="",
+            message=message,
+            last_lines=last,
+        )
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "did not exit"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"process was killed by {name}"
+    if code == 0:
+        return "process exited with code 0 but wrote no result"
+    return f"process exited with code {code} without raising a Python exception"

@@ -1,0 +1,94 @@
+"""Launch configuration: one frozen record, validated once, before anything starts.
+
+Non-goals: reading Spark conf (that is ``_placement``) or choosing GPUs (also ``_placement``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdist._errors import ConfigError
+
+#: Seconds a rank may take from spawn to joining the rendezvous before the run is aborted.
+DEFAULT_START_TIMEOUT_S = 300.0
+
+
+class Mode(str, enum.Enum):
+    """How the ranks train. Every mode gets the full torchrun environment."""
+
+    DDP = "ddp"
+    FSDP = "fsdp"
+    DEEPSPEED = "deepspeed"
+
+    @classmethod
+    def parse(cls, value: Mode | str) -> Mode:
+        """Accept a member or its name in any case; refuse anything else clearly."""
+        if isinstance(value, Mode):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ConfigError(f"mode={value!r} is not a launch mode; use one of {choices}")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything that decides how a run is launched, already validated.
+
+    Attributes:
+        num_processes: total number of ranks (the world size).
+        local_mode: True runs the ranks on the driver; False runs them as Spark barrier tasks.
+        use_gpu: True binds one GPU per rank; False runs on CPU with gloo; None picks GPUs when
+            there are any, CPU otherwise.
+        mode: the launch mode.
+        timeout_s: wall-clock limit for the whole run, or None for no limit.
+        start_timeout_s: how long every rank may take to join the rendezvous.
+        env: extra environment variables for every rank.
+    """
+
+    num_processes: int = 1
+    local_mode: bool = True
+    use_gpu: bool | None = None
+    mode: Mode = Mode.DDP
+    timeout_s: float | None = None
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_positive_int("num_processes", self.num_processes)
+        for name in ("local_mode",):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
+            raise ConfigError(f"use_gpu must be True, False or None, got {self.use_gpu!r}")
+        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        if self.timeout_s is not None:
+            _check_positive_seconds("timeout_s", self.timeout_s)
+        _check_positive_seconds("start_timeout_s", self.start_timeout_s)
+        if not isinstance(self.env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
+        ):
+            raise ConfigError("env must map environment variable names (str) to values (str)")
+        object.__setattr__(self, "env", dict(self.env))
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_positive_seconds(name: str, value: Any) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")

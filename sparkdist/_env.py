@@ -1,0 +1,122 @@
+"""The environment of one rank: a pure function of where it sits in the world.
+
+The names are torchrun's, so ``init_process_group("env://")``, PyTorch Lightning and Hugging Face
+Accelerate all recognise the launch. ``MASTER_PORT`` is absent on purpose: the port is chosen by
+the process that binds the store (rank 0) after the workers start, and reaches every worker over
+its control pipe before the training function runs (see ``_worker``).
+
+Non-goals: spawning, reading Spark, choosing GPUs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: Variables sparkdist sets for its own worker bootstrap; user code should use ``runtime``.
+RUN_ID_VAR = "SPARKDIST_RUN_ID"
+USE_GPU_VAR = "SPARKDIST_USE_GPU"
+MODE_VAR = "SPARKDIST_MODE"
+HOST_VAR = "SPARKDIST_HOST"
+
+#: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
+#: which would describe the wrong world if inherited.
+_STALE = ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "GROUP_WORLD_SIZE", "ROLE_NAME")
+
+
+@dataclass(frozen=True)
+class RankSeat:
+    """Where one rank sits in the world.
+
+    Attributes:
+        rank: global rank.
+        local_rank: rank within its node (task).
+        node_rank: index of the node (barrier task) that runs it.
+        world_size: total ranks.
+        local_world_size: ranks on this node.
+        num_nodes: number of nodes (barrier tasks).
+    """
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    world_size: int
+    local_world_size: int
+    num_nodes: int
+
+
+def seats_of_node(node_rank: int, processes_per_node: int, num_nodes: int) -> list[RankSeat]:
+    """The seats one node (task) hosts: ranks node_rank*k .. node_rank*k + k - 1."""
+    world_size = processes_per_node * num_nodes
+    return [
+        RankSeat(
+            rank=node_rank * processes_per_node + local_rank,
+            local_rank=local_rank,
+            node_rank=node_rank,
+            world_size=world_size,
+            local_world_size=processes_per_node,
+            num_nodes=num_nodes,
+        )
+        for local_rank in range(processes_per_node)
+    ]
+
+
+def worker_env(
+    base: Mapping[str, str],
+    seat: RankSeat,
+    *,
+    master_addr: str,
+    run_id: str,
+    restart_count: int,
+    max_restarts: int,
+    cuda_visible_devices: str | None,
+    mode: str,
+    host: str,
+    extra: Mapping[str, str] = {},  # noqa: B006 - never mutated
+) -> dict[str, str]:
+    """Build the full environment of one worker process.
+
+    Args:
+        base: the environment the worker inherits (the agent's).
+        seat: the rank's place in the world.
+        master_addr: host of the rendezvous store (rank 0's host).
+        run_id: the run's id (TORCHELASTIC_RUN_ID).
+        restart_count: how many times this run was restarted so far.
+        max_restarts: how many restarts the run allows.
+        cuda_visible_devices: the GPUs of this node, or None for a CPU run (every GPU is then
+            hidden, so nothing picks CUDA or NCCL by accident).
+        mode: the launch mode's name.
+        host: the host name or address of this node, as the driver knows it.
+        extra: user-supplied variables, applied last except over sparkdist's own.
+    """
+    env = {k: v for k, v in base.items() if k not in _STALE}
+    env.update(extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(
+        {
+            "RANK": str(seat.rank),
+            "LOCAL_RANK": str(seat.local_rank),
+            "WORLD_SIZE": str(seat.world_size),
+            "LOCAL_WORLD_SIZE": str(seat.local_world_size),
+            "GROUP_RANK": str(seat.node_rank),
+            "NODE_RANK": str(seat.node_rank),
+            "GROUP_WORLD_SIZE": str(seat.num_nodes),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(seat.rank),
+            "ROLE_WORLD_SIZE": str(seat.world_size),
+            "MASTER_ADDR": master_addr,
+            "TORCHELASTIC_RUN_ID": run_id,
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            # Rank 0's worker hosts the store; every rank (rank 0 included) joins as a client.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            # Output must reach the driver line by line while training runs.
+            "PYTHONUNBUFFERED": "1",
+            RUN_ID_VAR: run_id,
+            MODE_VAR: mode,
+            HOST_VAR: host,
+            USE_GPU_VAR: "0" if cuda_visible_devices is None else "1",
+            "CUDA_VISIBLE_DEVICES": cuda_visible_devices or "",
+        }
+    )
+    return env
