@@ -9,6 +9,7 @@ Non-goals: transport. Files, Spark rows and pipes are the callers' business.
 
 from __future__ import annotations
 
+import collections
 import enum
 import io
 import os
@@ -113,13 +114,33 @@ def dumps_job(job: Job) -> bytes:
             except ValueError:
                 pass
         try:
-            return cloudpickle.dumps(job)
+            buffer = io.BytesIO()
+            _FilenameKeepingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
+            return buffer.getvalue()
         except Exception as exc:
             where, culprit = _find_unpicklable(job)
             raise ConfigError(_unpicklable_message(job, where, culprit, exc)) from exc
         finally:
             if registered and module is not None:
                 cloudpickle.unregister_pickle_by_value(module)
+
+
+def _code_reduce_keeping_filename(code: types.CodeType) -> Any:
+    """cloudpickle's code reducer, but the file name survives, so a rank's traceback shows
+    where the user's function lives (and its source lines where that file exists)."""
+    constructor, args = _CLOUDPICKLE_CODE_REDUCE(code)
+    args = tuple(code.co_filename if arg == "<dynamic-code>" else arg for arg in args)
+    return constructor, args
+
+
+_CLOUDPICKLE_CODE_REDUCE = cloudpickle.Pickler.dispatch_table.get(types.CodeType)
+
+
+class _FilenameKeepingPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    if _CLOUDPICKLE_CODE_REDUCE is not None:
+        dispatch_table = collections.ChainMap(
+            {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
+        )
 
 
 def loads(data: bytes) -> Any:

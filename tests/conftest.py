@@ -1,0 +1,126 @@
+"""Shared fixtures: one SparkSession per master for the whole test session, and leak checks.
+
+Only one SparkContext can live in a process, so sessions are switched (stop one, start the
+next) when a test asks for a different master; test files are ordered so that each master is
+started once. Every test is checked for processes of a run left alive and temp dirs left behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+# All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
+os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+REPO = Path(__file__).resolve().parent.parent
+FAKE_GPU_SCRIPT = REPO / "conf" / "fakeGpusResources.sh"
+LOCAL_CLUSTER = "local-cluster[2,1,1024]"
+
+_session: dict[str, Any] = {}
+
+
+def spark_session(master: str) -> Any:
+    """The test session's SparkSession for ``master`` (replacing one for another master)."""
+    if _session.get("master") == master:
+        return _session["spark"]
+    _stop_session()
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master(master)
+        .appName("sparkdist-tests")
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+    )
+    if master.startswith("local-cluster"):
+        # Each executor advertises 2 fake GPUs and every task takes 1: GPU placement can be
+        # tested here, and CPU runs (one task per rank) still find 2 slots.
+        builder = (
+            builder.config("spark.executor.resource.gpu.amount", "2")
+            .config("spark.executor.resource.gpu.discoveryScript", str(FAKE_GPU_SCRIPT))
+            .config("spark.task.resource.gpu.amount", "1")
+            .config("spark.executor.memory", "768m")
+        )
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    _session.update(master=master, spark=spark)
+    return spark
+
+
+def _stop_session() -> None:
+    spark = _session.pop("spark", None)
+    _session.pop("master", None)
+    if spark is not None:
+        spark.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_spark_at_end() -> Iterator[None]:
+    yield
+    _stop_session()
+
+
+@pytest.fixture
+def spark_local() -> Any:
+    """A local[2] SparkSession, shared by the whole test session."""
+    return spark_session("local[2]")
+
+
+@pytest.fixture
+def spark_cluster() -> Any:
+    """A local-cluster[2,1,1024] session (two executor JVMs, 2 fake GPUs each)."""
+    return spark_session(LOCAL_CLUSTER)
+
+
+@pytest.fixture
+def no_spark() -> Iterator[None]:
+    """Runs the test with no active SparkSession."""
+    _stop_session()
+    yield
+
+
+def run_processes() -> list[psutil.Process]:
+    """Live processes that belong to a sparkdist run (their environment names one)."""
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "SPARKDIST_RUN_ID" in proc.environ():
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def run_dirs() -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), "sparkdist-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers() -> Iterator[None]:
+    """Every test: no process of a run survives it, and no run directory is left behind."""
+    dirs_before = set(run_dirs())
+    yield
+    deadline = time.monotonic() + 2.0  # Spark's python workers release their tasks async
+    while (run_processes() or set(run_dirs()) - dirs_before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = run_processes()
+    for proc in survivors:
+        proc.kill()
+    assert not survivors, f"processes of a run survived the test: {survivors}"
+    assert not set(run_dirs()) - dirs_before, "a run directory was left behind"

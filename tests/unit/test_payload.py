@@ -1,0 +1,109 @@
+"""Jobs and errors cross process boundaries: round trips through a fresh interpreter, and
+unpicklable jobs named precisely."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+
+import cloudpickle
+import pytest
+
+import sparkdist
+from sparkdist import ConfigError, RankFailure, WorkerFailedError
+from sparkdist._errors import ClusterError, RendezvousError, RunTimeoutError
+from sparkdist._payload import Job, Outcome, TargetKind, dumps_job
+
+
+def _round_trip_in_fresh_interpreter(data: bytes) -> str:
+    code = (
+        "import sys, cloudpickle; obj = cloudpickle.loads(sys.stdin.buffer.read()); "
+        "print(repr(obj))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=60
+    )
+    return done.stdout.decode().strip()
+
+
+def scale(x, factor=2):
+    return x * factor
+
+
+def test_job_round_trips_through_a_fresh_interpreter():
+    job = Job(kind=TargetKind.FUNCTION, fn=scale, args=(3,), kwargs={"factor": 5})
+    data = dumps_job(job)
+    code = (
+        "import sys, cloudpickle; job = cloudpickle.loads(sys.stdin.buffer.read()); "
+        "print(job.fn(*job.args, **job.kwargs))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == b"15"
+
+
+def test_outcome_and_failure_round_trip():
+    failure = RankFailure(1, "h", 3, "ValueError", "boom", "tb", ("a", "b"), None)
+    outcome = Outcome(1, "h", 3, 0.5, failure=failure, ended_at=2.0)
+    assert repr(outcome) == _round_trip_in_fresh_interpreter(cloudpickle.dumps(outcome))
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("bad"),
+        ClusterError("small"),
+        RendezvousError("late"),
+        RunTimeoutError("slow"),
+        WorkerFailedError({1: RankFailure(1, "h", 1, "E", "m")}, RankFailure(1, "h", 1, "E", "m")),
+    ],
+)
+def test_errors_pickle(error):
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error)
+    assert isinstance(again, sparkdist.SparkdistError)
+
+
+def test_worker_failed_error_message_has_root_cause_traceback_and_last_lines():
+    root = RankFailure(1, "hostA", 1, "ValueError", "boom", "Traceback ...\nValueError: boom\n",
+                       ("step 1", "step 2"))
+    other = RankFailure(0, "hostB", 1, "RuntimeError", "peer died")
+    error = WorkerFailedError({0: other, 1: root}, root)
+    text = str(error)
+    assert "first: rank 1 on hostA: ValueError: boom" in text
+    assert "also failed: ranks 0" in text
+    assert "Traceback ...\nValueError: boom" in text
+    assert "  step 2" in text
+    assert error.root_cause is root and set(error.failures) == {0, 1}
+    assert isinstance(error, RuntimeError)  # as pyspark's TorchDistributor raises
+
+
+def test_unpicklable_closure_names_the_captured_object():
+    lock = threading.Lock()
+
+    def train():
+        with lock:
+            return 1
+
+    with pytest.raises(ConfigError) as info:
+        dumps_job(Job(kind=TargetKind.FUNCTION, fn=train))
+    message = str(info.value)
+    assert "variable 'lock' captured by" in message and "_thread.lock" in message
+    assert "Create it inside the function" in message
+
+
+class Holder:
+    def __init__(self):
+        self.lock = threading.RLock()
+
+
+def test_unpicklable_argument_inside_a_user_object_is_named():
+    with pytest.raises(ConfigError, match=r"argument 0\.lock is a _thread\.RLock"):
+        dumps_job(Job(kind=TargetKind.FUNCTION, fn=scale, args=(Holder(),)))
+
+
+def test_unpicklable_keyword_argument_in_a_dict_is_named():
+    with pytest.raises(ConfigError, match=r"keyword argument 'cfg'\['lock'\]"):
+        dumps_job(Job(kind=TargetKind.FUNCTION, fn=scale, kwargs={"cfg": {"lock": threading.Lock()}}))

@@ -1,0 +1,33 @@
+"""The public surface: __all__ matches, and importing sparkdist stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import sparkdist
+
+
+def test_all_lists_exactly_the_public_names():
+    public = {name for name in vars(sparkdist) if not name.startswith("_")}
+    public -= {"annotations", "distributor"}  # submodules imported as a side effect
+    assert set(sparkdist.__all__) - {"__version__"} == public
+
+
+def test_import_loads_no_heavy_dependency():
+    code = (
+        "import sys, sparkdist; "
+        "print(sorted(m for m in ('torch', 'pyspark', 'deepspeed', 'mlflow') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "[]"
+
+
+def test_runtime_outside_a_rank_describes_a_world_of_one(monkeypatch):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    rt = sparkdist.runtime
+    assert (rt.get_global_rank(), rt.get_local_rank(), rt.get_world_size(),
+            rt.get_local_world_size(), rt.get_node_rank(), rt.is_main_process()) == (
+        0, 0, 1, 1, 0, True)
