@@ -99,14 +99,14 @@ def driver_host(session: Any) -> str:
     return str(session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
 
 
-def wait_for_barrier_slots(session: Any, needed: int, wait_s: float = SLOT_WAIT_S) -> int:
+def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = None) -> int:
     """Return the cluster's barrier slots once there are enough, or raise ClusterError.
 
     Executors register after the session starts (local-cluster, standalone), so a too-small
     count is re-read for a few seconds before it is final; Spark's own check would wait minutes.
     """
     jsc = session.sparkContext._jsc.sc()
-    deadline = time.monotonic() + wait_s
+    deadline = time.monotonic() + (SLOT_WAIT_S if wait_s is None else wait_s)
     while True:
         try:
             profile = jsc.resourceProfileManager().defaultResourceProfile()

@@ -23,6 +23,7 @@ import faulthandler
 import json
 import os
 import runpy
+import shutil
 import signal
 import sys
 import threading
@@ -59,6 +60,7 @@ class _AgentLink:
         self._lock = threading.Lock()
         self.master_port: int | None = None
         self.rendezvous = threading.Event()
+        self.run_dir = ""
         threading.Thread(target=self._read, name="sparkdist-agent-link", daemon=True).start()
 
     def send(self, message: dict[str, Any]) -> None:
@@ -74,8 +76,11 @@ class _AgentLink:
             if message.get("t") == "rendezvous":
                 self.master_port = int(message["master_port"])
                 self.rendezvous.set()
-        # End of file: the agent died (it keeps the pipe open until we exit). Take our whole
-        # process group (DataLoader workers included) down with us.
+        # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
+        # clean up after the run: remove its directory and take our whole process group
+        # (DataLoader workers included) down with us.
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     env = os.environ
     link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
     rank = int(env["RANK"])
-    result_dir = env.pop(RESULT_DIR_VAR)
+    result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)
     job_file = env.pop(JOB_FILE_VAR)
     start_timeout_s = float(env.pop(START_TIMEOUT_VAR, "300"))
     try:

@@ -50,7 +50,9 @@ def spark_session(master: str) -> Any:
         # Each executor advertises 2 fake GPUs and every task takes 1: GPU placement can be
         # tested here, and CPU runs (one task per rank) still find 2 slots.
         builder = (
-            builder.config("spark.executor.resource.gpu.amount", "2")
+            builder.config("spark.worker.resource.gpu.amount", "2")
+            .config("spark.worker.resource.gpu.discoveryScript", str(FAKE_GPU_SCRIPT))
+            .config("spark.executor.resource.gpu.amount", "2")
             .config("spark.executor.resource.gpu.discoveryScript", str(FAKE_GPU_SCRIPT))
             .config("spark.task.resource.gpu.amount", "1")
             .config("spark.executor.memory", "768m")

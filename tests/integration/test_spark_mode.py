@@ -1,0 +1,105 @@
+"""Spark mode on local[2]: one barrier stage, the same agent and worker as local mode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import run_processes
+from sparkdist import ClusterError, Distributor, RunTimeoutError, TorchDistributor, WorkerFailedError
+
+pytestmark = pytest.mark.spark
+
+
+def all_reduce_rank_sum(scale):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return {"rank": dist.get_rank(), "total": total.item() * scale,
+            "node": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"]}
+
+
+def test_barrier_stage_all_reduce_in_rank_order(spark_local):
+    result = Distributor(2, local_mode=False, use_gpu=False).run_all(all_reduce_rank_sum, 10)
+    assert result.values == [
+        {"rank": 0, "total": 30.0, "node": "0", "local": "0"},
+        {"rank": 1, "total": 30.0, "node": "1", "local": "0"},
+    ]
+    assert result.num_tasks == 2 and not result.local_mode
+
+
+def test_torch_distributor_spark_mode_output_streams_to_driver(spark_local, capfd):
+    def hello():
+        print("hello from", os.environ["RANK"])
+        return int(os.environ["RANK"])
+
+    assert TorchDistributor(2, local_mode=False, use_gpu=False).run(hello) == 0
+    out, _ = capfd.readouterr()
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+
+
+def test_failing_rank_raises_and_stops_the_other(spark_local):
+    def fail_rank_one():
+        import time
+
+        if os.environ["RANK"] == "1":
+            raise ValueError("bad batch")
+        time.sleep(120)
+
+    with pytest.raises(WorkerFailedError, match="ValueError: bad batch") as info:
+        Distributor(2, local_mode=False, use_gpu=False, timeout_s=100).run(fail_rank_one)
+    assert info.value.root_cause.rank == 1
+    assert isinstance(info.value.__cause__, ValueError)
+    assert not run_processes()
+
+
+def test_timeout_cancels_the_stage(spark_local):
+    def sleepy():
+        import time
+
+        time.sleep(120)
+
+    with pytest.raises(RunTimeoutError):
+        Distributor(2, local_mode=False, use_gpu=False, timeout_s=2).run(sleepy)
+    # The session is still usable afterwards.
+    assert Distributor(2, local_mode=False, use_gpu=False).run(lambda: "ok") == "ok"
+
+
+def test_more_tasks_than_slots_fails_fast_naming_both_counts(spark_local, monkeypatch):
+    import sparkdist._spark as spark_module
+
+    monkeypatch.setattr(spark_module, "SLOT_WAIT_S", 0.5)
+    with pytest.raises(ClusterError, match="needs 3 task slots at once but the cluster"):
+        Distributor(3, local_mode=False, use_gpu=False).run(lambda: 1)
+    assert not run_processes()
+
+
+def test_use_gpu_without_task_gpu_conf_names_the_conf_key(spark_local):
+    with pytest.raises(ValueError, match="spark.task.resource.gpu.amount is unset"):
+        TorchDistributor(2, local_mode=False, use_gpu=True).run(lambda: 1)
+
+
+def test_same_function_through_pysparks_torch_distributor_and_ours(spark_local):
+    import sys
+
+    from pyspark import cloudpickle as pyspark_cloudpickle
+    from pyspark.ml.torch.distributor import TorchDistributor as PysparkTorchDistributor
+
+    # pyspark pickles a test module's function by reference, and its torchrun workers cannot
+    # import this module; ship it by value for pyspark (sparkdist does that on its own).
+    module = sys.modules[__name__]
+    pyspark_cloudpickle.register_pickle_by_value(module)
+    try:
+        theirs = PysparkTorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
+            all_reduce_rank_sum, 10)
+    finally:
+        pyspark_cloudpickle.unregister_pickle_by_value(module)
+    ours = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
+        all_reduce_rank_sum, 10)
+    assert ours == {"rank": 0, "total": 30.0, "node": "0", "local": "0"}
+    # pyspark returns whichever rank wrote last; the reduced value agrees either way.
+    assert theirs["total"] == ours["total"]

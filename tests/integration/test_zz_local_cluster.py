@@ -1,0 +1,65 @@
+"""local-cluster[2,1,1024]: separate executor JVMs, each advertising 2 fake GPUs.
+
+(Named to run last: it replaces the local[2] session, and one session per master is started.)
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import run_processes
+from sparkdist import Distributor, TorchDistributor, WorkerFailedError
+
+pytestmark = [pytest.mark.spark, pytest.mark.cluster]
+
+
+def placement_seen():
+    import socket
+
+    return {k: os.environ[k] for k in (
+        "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+        "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "SPARKDIST_USE_GPU")} | {"pid_host": socket.gethostname()}
+
+
+def all_reduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([1.0])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_cpu_ranks_on_separate_executors(spark_cluster):
+    result = Distributor(2, local_mode=False, use_gpu=False).run_all(all_reduce)
+    assert result.values == [2.0, 2.0] and result.num_tasks == 2
+
+
+def test_fake_gpus_become_cuda_visible_devices_and_local_rank(spark_cluster):
+    # spark.task.resource.gpu.amount=1: one rank per task, each with its own GPU address.
+    result = TorchDistributor(2, local_mode=False, use_gpu=True).run_all(placement_seen)
+    seen = result.values
+    assert [s["RANK"] for s in seen] == ["0", "1"]
+    assert [s["NODE_RANK"] for s in seen] == ["0", "1"]
+    assert [s["LOCAL_RANK"] for s in seen] == ["0", "0"]
+    assert {s["LOCAL_WORLD_SIZE"] for s in seen} == {"1"}
+    assert {s["SPARKDIST_USE_GPU"] for s in seen} == {"1"}
+    # Each executor owns fake GPUs "0" and "1" and hands one to its single task.
+    assert all(s["CUDA_VISIBLE_DEVICES"] in ("0", "1") for s in seen)
+
+
+def test_failure_on_an_executor_is_reported_with_rank(spark_cluster):
+    def fail():
+        if os.environ["RANK"] == "0":
+            raise RuntimeError("executor-side failure")
+        import time
+
+        time.sleep(120)
+
+    with pytest.raises(WorkerFailedError, match="executor-side failure") as info:
+        Distributor(2, local_mode=False, use_gpu=False, timeout_s=100).run(fail)
+    assert info.value.root_cause.rank == 0
+    assert not run_processes()
