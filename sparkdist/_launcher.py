@@ -1,10 +1,13 @@
-"""The driver side of one run: place, open the channel, submit, supervise, collect, raise.
+"""The driver side of one run: validate, place, open the channel, submit, hand back a handle.
 
-``launch`` is the single engine behind every front door (``Distributor``, ``TorchDistributor``,
-the decorator, the CLI). Local mode runs the agent on a thread of this process; Spark mode
-submits one barrier stage whose tasks run the same agent. Either way the driver supervises
-through the control channel: it relays rank 0's store port, prints rank output as it arrives,
-and on the first failure tells every agent to stop, so no rank waits for a collective timeout.
+``start`` is the single engine behind every front door (``Distributor``, ``TorchDistributor``,
+the decorator, the CLI): it does everything that can fail before a process starts, on the
+caller's thread, so bad input raises at once and nothing is launched. It then returns a
+``Launch`` whose supervisor thread watches the run (``_supervisor``). ``launch`` is the blocking
+form, and turns Ctrl-C into a clean stop of every rank.
+
+Local mode runs the agent on a thread of this process; Spark mode submits one barrier stage
+whose tasks run the same agent.
 
 Non-goals: argument parsing of the public classes (``distributor``), Spark details (``_spark``).
 """
@@ -15,43 +18,143 @@ import logging
 import os
 import sys
 import threading
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from sparkdist import _spark
-from sparkdist._agent import AgentSpec, run_agent
-from sparkdist._channel import ChannelServer, Message, Peer, new_secret
+from sparkdist._agent import AgentSpec
+from sparkdist._channel import ChannelServer, new_secret
 from sparkdist._config import LaunchConfig
-from sparkdist._errors import (
-    ClusterError,
-    RankFailure,
-    RendezvousError,
-    RunTimeoutError,
-    WorkerFailedError,
-)
 from sparkdist._gpus import visible_gpus
-from sparkdist._payload import Job, Outcome, dumps_job, loads
+from sparkdist._payload import Job, dumps_job
 from sparkdist._placement import (
     TORCH_IGNORE_SSL_KEY,
-    Placement,
     check_cluster_conf,
     place_local,
     place_on_cluster,
 )
 from sparkdist._result import RunResult
+from sparkdist._supervisor import (
+    ABORT_GRACE_S,
+    RunMonitor,
+    Submission,
+    request_cancel,
+    result_of,
+    supervise,
+)
 
 logger = logging.getLogger("sparkdist")
 
-#: After the first failure, how long agents get to report before the stage is cancelled.
-FAILURE_GRACE_S = 30.0
-#: After an abort, how long the driver waits for every agent to confirm its ranks are gone.
-ABORT_GRACE_S = 60.0
-#: How long the driver waits for the agents' last output lines after the run ends.
-OUTPUT_DRAIN_S = 5.0
 
-_print_lock = threading.Lock()
+class Launch:
+    """A started run: wait for it, poll it, or cancel it (which stops every rank)."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        job: Job,
+        *,
+        session: Any | None = None,
+        ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+    ) -> None:
+        job_bytes = dumps_job(job)
+        self.run_id = uuid.uuid4().hex[:12]
+        self.config = config
+        if config.local_mode:
+            session = session if session is not None else _spark.active_session()
+            self.placement = place_local(config, _driver_gpus(config, session))
+            driver_host = "127.0.0.1"
+            extra_env = {**_local_python_path(), **config.env}
+        else:
+            session = session if session is not None else _spark.get_or_create_session()
+            conf = _spark.spark_conf(session)
+            for warning in check_cluster_conf(conf, ignore_ssl_key):
+                logger.warning("sparkdist: %s", warning)
+            self.placement = place_on_cluster(config, conf)
+            _spark.wait_for_barrier_slots(session, self.placement.num_tasks)
+            driver_host = _spark.driver_host(session)
+            extra_env = dict(config.env)
+        placement = self.placement
+        logger.info(
+            "sparkdist: run %s: %s on %d process(es), mode %s, %s, %d task(s)",
+            self.run_id, job.name, placement.world_size, config.mode.value,
+            "GPU" if placement.use_gpu else "CPU (gloo)", placement.num_tasks,
+        )
+        self._monitor = RunMonitor(placement.world_size, placement.num_tasks)
+        secret = new_secret()
+        self._server = ChannelServer(driver_host, secret, self._monitor.on_message)
+        self._monitor.server = self._server
+        template = AgentSpec(
+            run_id=self.run_id,
+            job_bytes=job_bytes,
+            node_rank=0,
+            num_nodes=placement.num_tasks,
+            processes_per_node=placement.processes_per_task,
+            master_addr=driver_host,
+            host=driver_host,
+            channel_address=(driver_host, self._server.port),
+            secret=secret,
+            gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
+            mode=config.mode.value,
+            start_timeout_s=config.start_timeout_s,
+            extra_env=extra_env,
+        )
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        try:
+            self._submission = Submission(
+                session, template, placement, config.local_mode, self._monitor
+            )
+        except BaseException:
+            self._server.close()
+            raise
+        threading.Thread(
+            target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
+        ).start()
+
+    def _supervise(self) -> None:
+        try:
+            outcomes = supervise(self.config, self._submission, self._monitor)
+            self._result = result_of(
+                outcomes, self._monitor, self.run_id, self.config, self.placement
+            )
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._error = exc
+        finally:
+            self._server.close()
+            if self._monitor.dropped:
+                logger.warning(
+                    "sparkdist: %d output line(s) of the ranks were dropped because the "
+                    "driver fell behind", self._monitor.dropped,
+                )
+            self._done.set()
+
+    def done(self) -> bool:
+        """True once the run ended (every rank has exited)."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RunResult:
+        """Wait for the run and return its RunResult, or raise its error.
+
+        Raises:
+            TimeoutError: ``timeout`` seconds passed first (the run goes on).
+            concurrent.futures.CancelledError: the run was cancelled.
+        """
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"run {self.run_id} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def cancel(self, reason: str = "the run was cancelled") -> bool:
+        """Stop every rank and wait until they are gone; False if the run had already ended."""
+        if self._done.is_set():
+            return False
+        request_cancel(self._monitor, reason)
+        self._done.wait(ABORT_GRACE_S)
+        return True
 
 
 def launch(
@@ -68,58 +171,14 @@ def launch(
         WorkerFailedError: a rank failed (every other rank has been stopped).
         RendezvousError: a rank did not join within ``config.start_timeout_s``.
         RunTimeoutError: the run took longer than ``config.timeout_s``.
+        KeyboardInterrupt: after Ctrl-C stopped every rank (and cancelled the Spark job).
     """
-    job_bytes = dumps_job(job)
-    run_id = uuid.uuid4().hex[:12]
-    if config.local_mode:
-        session = session if session is not None else _spark.active_session()
-        placement = place_local(config, _driver_gpus(config, session))
-        driver_host = "127.0.0.1"
-        extra_env = {**_local_python_path(), **config.env}
-    else:
-        session = session if session is not None else _spark.get_or_create_session()
-        conf = _spark.spark_conf(session)
-        for warning in check_cluster_conf(conf, ignore_ssl_key):
-            logger.warning("sparkdist: %s", warning)
-        placement = place_on_cluster(config, conf)
-        _spark.wait_for_barrier_slots(session, placement.num_tasks)
-        driver_host = _spark.driver_host(session)
-        extra_env = dict(config.env)
-    logger.info(
-        "sparkdist: run %s: %s on %d process(es) (%s, %s) in %d task(s)",
-        run_id, job.name, placement.world_size, config.mode.value,
-        "GPU" if placement.use_gpu else "CPU", placement.num_tasks,
-    )
-    monitor = _RunMonitor(placement.world_size, placement.num_tasks)
-    secret = new_secret()
-    server = ChannelServer(driver_host, secret, monitor.on_message)
-    monitor.server = server
+    run = Launch(config, job, session=session, ignore_ssl_key=ignore_ssl_key)
     try:
-        template = AgentSpec(
-            run_id=run_id,
-            job_bytes=job_bytes,
-            node_rank=0,
-            num_nodes=placement.num_tasks,
-            processes_per_node=placement.processes_per_task,
-            master_addr=driver_host,
-            host=driver_host,
-            channel_address=(driver_host, server.port),
-            secret=secret,
-            gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
-            mode=config.mode.value,
-            start_timeout_s=config.start_timeout_s,
-            extra_env=extra_env,
-        )
-        submission = _Submission(session, template, placement, config.local_mode, monitor)
-        outcomes = _supervise(config, submission, monitor)
-    finally:
-        server.close()
-    if monitor.dropped:
-        logger.warning(
-            "sparkdist: %d output line(s) of the ranks were dropped because the driver fell "
-            "behind", monitor.dropped,
-        )
-    return _result_of(outcomes, monitor, run_id, config, placement)
+        return run.result()
+    except KeyboardInterrupt:
+        run.cancel("the driver was interrupted (Ctrl-C)")
+        raise
 
 
 def _driver_gpus(config: LaunchConfig, session: Any | None) -> list[str]:
@@ -144,263 +203,3 @@ def _local_python_path() -> dict[str, str]:
         entries.append(inherited)
     return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(entries))} if entries else {}
 
-
-class _RunMonitor:
-    """The driver's view of a run, fed by the control channel's reader threads."""
-
-    def __init__(self, world_size: int, num_nodes: int) -> None:
-        self.world_size = world_size
-        self.num_nodes = num_nodes
-        self.server: ChannelServer | None = None
-        self.changed = threading.Condition()
-        self.store_port: int | None = None
-        self.joined: set[int] = set()
-        self.failure_order: list[int] = []
-        self.failure_codes: dict[int, int] = {}
-        self.byes: set[int] = set()
-        self.dropped = 0
-        self.abort_reason: str | None = None
-
-    def on_message(self, peer: Peer, message: Message) -> None:
-        kind = message["t"]
-        if kind == "log":
-            _print_rank_line(message)
-            return
-        with self.changed:
-            if kind == "hello":
-                # An agent that connects late still learns what the others already know.
-                if self.store_port is not None:
-                    peer.send({"t": "rendezvous", "master_port": self.store_port})
-                if self.abort_reason is not None:
-                    peer.send({"t": "abort", "reason": self.abort_reason})
-            elif kind == "store":
-                self.store_port = int(message["port"])
-                self._broadcast({"t": "rendezvous", "master_port": self.store_port})
-            elif kind == "ready":
-                self.joined.add(int(message["rank"]))
-            elif kind == "failed":
-                rank = int(message["rank"])
-                self.failure_order.append(rank)
-                self.failure_codes[rank] = int(message["exit_code"])
-                self._abort_locked(f"rank {rank} failed")
-            elif kind == "bye":
-                self.byes.add(int(message["node"]))
-                self.dropped += int(message.get("dropped", 0))
-            self.changed.notify_all()
-
-    def abort(self, reason: str) -> None:
-        with self.changed:
-            self._abort_locked(reason)
-            self.changed.notify_all()
-
-    def _abort_locked(self, reason: str) -> None:
-        if self.abort_reason is None:
-            self.abort_reason = reason
-            self._broadcast({"t": "abort", "reason": reason})
-
-    def _broadcast(self, message: Message) -> None:
-        if self.server is not None:
-            self.server.broadcast(message)
-
-
-def _print_rank_line(message: Message) -> None:
-    stream = sys.stderr if message.get("stream") == "stderr" else sys.stdout
-    with _print_lock:
-        try:
-            stream.write(f"[rank {message['rank']}] {message['line']}\n")
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # the driver's own output is gone; training goes on
-
-
-class _Submission:
-    """The agents' side of the run, started on a thread: one local agent or a barrier stage."""
-
-    def __init__(
-        self,
-        session: Any,
-        template: AgentSpec,
-        placement: Placement,
-        local_mode: bool,
-        monitor: _RunMonitor,
-    ) -> None:
-        self.outcomes: list[Outcome] | None = None
-        self.error: BaseException | None = None
-        self.done = False
-        self._monitor = monitor
-        self._stage = None
-        work: Callable[[], list[Outcome]]
-        if local_mode:
-            work = lambda: run_agent(template)  # noqa: E731
-        else:
-            self._stage = _spark.BarrierStage(
-                session, template, placement.num_tasks, placement.use_gpu
-            )
-            stage = self._stage
-            work = lambda: [loads(row) for row in stage.collect()]  # noqa: E731
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name=f"sparkdist-run-{template.run_id}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, work: Callable[[], list[Outcome]]) -> None:
-        try:
-            self.outcomes = work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
-            self.error = exc
-        finally:
-            with self._monitor.changed:
-                self.done = True
-                self._monitor.changed.notify_all()
-
-    def cancel(self) -> None:
-        if self._stage is not None:
-            try:
-                self._stage.cancel()
-            except Exception:
-                logger.debug("sparkdist: cancelling the Spark job failed", exc_info=True)
-
-
-def _supervise(
-    config: LaunchConfig, submission: _Submission, monitor: _RunMonitor
-) -> list[Outcome]:
-    """Wait for the run to end; enforce deadlines; turn Ctrl-C into a clean stop."""
-    started = time.monotonic()
-    run_deadline = started + config.timeout_s if config.timeout_s else None
-    start_deadline = started + config.start_timeout_s
-    failure_deadline: float | None = None
-    try:
-        with monitor.changed:
-            while not submission.done:
-                now = time.monotonic()
-                if run_deadline is not None and now >= run_deadline:
-                    raise _stop(submission, monitor, RunTimeoutError(
-                        f"the run exceeded timeout_s={config.timeout_s}; every rank was "
-                        "stopped. Raise timeout_s, or pass timeout_s=None for no limit"
-                    ))
-                if len(monitor.joined) < monitor.world_size and now >= start_deadline:
-                    missing = sorted(set(range(monitor.world_size)) - monitor.joined)
-                    raise _stop(submission, monitor, RendezvousError(
-                        f"rank(s) {_ranks(missing)} did not join the run within "
-                        f"start_timeout_s={config.start_timeout_s}; check that the executors "
-                        "can start Python with torch, or raise start_timeout_s"
-                    ))
-                if monitor.failure_order and failure_deadline is None:
-                    failure_deadline = now + FAILURE_GRACE_S
-                if failure_deadline is not None and now >= failure_deadline:
-                    submission.cancel()
-                    failure_deadline = now + ABORT_GRACE_S
-                deadlines = [d for d in (run_deadline, failure_deadline) if d is not None]
-                if len(monitor.joined) < monitor.world_size:
-                    deadlines.append(start_deadline)
-                monitor.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
-    except KeyboardInterrupt:
-        _stop(submission, monitor, None, reason="the driver was interrupted (Ctrl-C)")
-        raise
-    with monitor.changed:
-        monitor.changed.wait_for(
-            lambda: len(monitor.byes) >= monitor.num_nodes, timeout=OUTPUT_DRAIN_S
-        )
-    if submission.error is not None:
-        raise _stage_failure(submission.error, monitor)
-    assert submission.outcomes is not None
-    return submission.outcomes
-
-
-def _stop(
-    submission: _Submission,
-    monitor: _RunMonitor,
-    error: BaseException | None,
-    reason: str | None = None,
-) -> BaseException:
-    """Abort every rank, cancel the stage, and wait until the agents are done."""
-    monitor.abort(reason or str(error))
-    submission.cancel()
-    # The condition's lock is reentrant and fully released while waiting, so the channel's
-    # threads keep delivering messages even when the caller holds it.
-    with monitor.changed:
-        monitor.changed.wait_for(lambda: submission.done, timeout=ABORT_GRACE_S)
-    return error if error is not None else KeyboardInterrupt()
-
-
-def _stage_failure(error: BaseException, monitor: _RunMonitor) -> BaseException:
-    """The Spark stage itself failed (an executor died, a task raised before its agent ran)."""
-    if isinstance(error, (ClusterError, WorkerFailedError)):
-        return error
-    summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if monitor.failure_order:
-        failures = {
-            rank: RankFailure(
-                rank=rank, host="", exit_code=monitor.failure_codes.get(rank),
-                exc_type="", message=f"failed; its details were lost with the Spark stage "
-                f"({summary})",
-            )
-            for rank in monitor.failure_order
-        }
-        root = failures[monitor.failure_order[0]]
-        failed = WorkerFailedError(failures, root)
-        failed.__cause__ = error
-        return failed
-    cluster = ClusterError(
-        f"the Spark barrier stage failed before the ranks reported: {summary}; see the "
-        "executor logs for the cause"
-    )
-    cluster.__cause__ = error
-    return cluster
-
-
-def _result_of(
-    outcomes: list[Outcome],
-    monitor: _RunMonitor,
-    run_id: str,
-    config: LaunchConfig,
-    placement: Placement,
-) -> RunResult:
-    by_rank = {o.rank: o for o in outcomes}
-    failures = {o.rank: o.failure for o in outcomes if o.failure and not o.aborted}
-    if not failures:
-        # Nobody failed on their own, yet some rank has no value: report the stopped ones.
-        failures = {o.rank: o.failure for o in outcomes if o.failure}
-    missing = sorted(set(range(placement.world_size)) - set(by_rank))
-    if failures or missing:
-        for rank in missing:
-            failures[rank] = RankFailure(
-                rank=rank, host="", exit_code=None, exc_type="", message="never reported back"
-            )
-        raise _failure_error(failures, monitor, by_rank)
-    ordered = [by_rank[r] for r in range(placement.world_size)]
-    return RunResult(
-        values=[loads(o.value_bytes) if o.value_bytes is not None else None for o in ordered],
-        wall_times_s=[o.wall_time_s for o in ordered],
-        hosts=[o.host for o in ordered],
-        run_id=run_id,
-        mode=config.mode.value,
-        use_gpu=placement.use_gpu,
-        local_mode=config.local_mode,
-        num_tasks=placement.num_tasks,
-        dropped_lines=monitor.dropped,
-    )
-
-
-def _failure_error(
-    failures: dict[int, RankFailure], monitor: _RunMonitor, by_rank: dict[int, Outcome]
-) -> WorkerFailedError:
-    # First failure the driver heard of; failing that, the earliest exit its agent saw.
-    first_heard = [rank for rank in monitor.failure_order if rank in failures]
-    root_rank = first_heard[0] if first_heard else min(
-        failures, key=lambda r: (by_rank[r].ended_at if r in by_rank else float("inf"), r)
-    )
-    error = WorkerFailedError(failures, failures[root_rank])
-    original = failures[root_rank].exception_bytes
-    if original is not None:
-        try:
-            cause = loads(original)
-        except Exception:
-            cause = None
-        if isinstance(cause, BaseException):
-            error.__cause__ = cause
-    return error
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))

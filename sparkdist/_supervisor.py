@@ -1,0 +1,314 @@
+"""Supervising a started run: the driver's view of it, deadlines, and turning outcomes into a
+result or an error.
+
+``RunMonitor`` is fed by the control channel's reader threads; ``Submission`` runs the agents'
+side (a local agent thread or a Spark barrier stage) on a thread; ``supervise`` waits for either
+to end while enforcing the run and start-up deadlines.
+
+Non-goals: placement and argument handling (``_launcher``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sparkdist import _spark
+from sparkdist._agent import AgentSpec, run_agent
+from sparkdist._channel import ChannelServer, Message, Peer
+from sparkdist._config import LaunchConfig
+from sparkdist._errors import (
+    ClusterError,
+    RankFailure,
+    RendezvousError,
+    RunTimeoutError,
+    WorkerFailedError,
+)
+from sparkdist._payload import Outcome, loads
+from sparkdist._placement import Placement
+from sparkdist._result import RunResult
+
+logger = logging.getLogger("sparkdist")
+
+#: After the first failure, how long agents get to report before the stage is cancelled.
+FAILURE_GRACE_S = 30.0
+#: After an abort, how long the driver waits for every agent to confirm its ranks are gone.
+ABORT_GRACE_S = 60.0
+#: How long the driver waits for the agents' last output lines after the run ends.
+OUTPUT_DRAIN_S = 5.0
+
+_print_lock = threading.Lock()
+
+
+class RunMonitor:
+    """The driver's view of a run, fed by the control channel's reader threads."""
+
+    def __init__(self, world_size: int, num_nodes: int) -> None:
+        self.world_size = world_size
+        self.num_nodes = num_nodes
+        self.server: ChannelServer | None = None
+        self.changed = threading.Condition()
+        self.store_port: int | None = None
+        self.joined: set[int] = set()
+        self.failure_order: list[int] = []
+        self.failure_codes: dict[int, int] = {}
+        self.byes: set[int] = set()
+        self.dropped = 0
+        self.abort_reason: str | None = None
+        self.cancelled = False
+
+    def on_message(self, peer: Peer, message: Message) -> None:
+        kind = message["t"]
+        if kind == "log":
+            _print_rank_line(message)
+            return
+        with self.changed:
+            if kind == "hello":
+                # An agent that connects late still learns what the others already know.
+                if self.store_port is not None:
+                    peer.send({"t": "rendezvous", "master_port": self.store_port})
+                if self.abort_reason is not None:
+                    peer.send({"t": "abort", "reason": self.abort_reason})
+            elif kind == "store":
+                self.store_port = int(message["port"])
+                self._broadcast({"t": "rendezvous", "master_port": self.store_port})
+            elif kind == "ready":
+                self.joined.add(int(message["rank"]))
+            elif kind == "failed":
+                rank = int(message["rank"])
+                self.failure_order.append(rank)
+                self.failure_codes[rank] = int(message["exit_code"])
+                self._abort_locked(f"rank {rank} failed")
+            elif kind == "bye":
+                self.byes.add(int(message["node"]))
+                self.dropped += int(message.get("dropped", 0))
+            self.changed.notify_all()
+
+    def abort(self, reason: str) -> None:
+        with self.changed:
+            self._abort_locked(reason)
+            self.changed.notify_all()
+
+    def _abort_locked(self, reason: str) -> None:
+        if self.abort_reason is None:
+            self.abort_reason = reason
+            self._broadcast({"t": "abort", "reason": reason})
+
+    def _broadcast(self, message: Message) -> None:
+        if self.server is not None:
+            self.server.broadcast(message)
+
+
+def _print_rank_line(message: Message) -> None:
+    stream = sys.stderr if message.get("stream") == "stderr" else sys.stdout
+    with _print_lock:
+        try:
+            stream.write(f"[rank {message['rank']}] {message['line']}\n")
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # the driver's own output is gone; training goes on
+
+
+class Submission:
+    """The agents' side of the run, started on a thread: one local agent or a barrier stage."""
+
+    def __init__(
+        self,
+        session: Any,
+        template: AgentSpec,
+        placement: Placement,
+        local_mode: bool,
+        monitor: RunMonitor,
+    ) -> None:
+        self.outcomes: list[Outcome] | None = None
+        self.error: BaseException | None = None
+        self.done = False
+        self._monitor = monitor
+        self._stage = None
+        work: Callable[[], list[Outcome]]
+        if local_mode:
+            work = lambda: run_agent(template)  # noqa: E731
+        else:
+            self._stage = _spark.BarrierStage(
+                session, template, placement.num_tasks, placement.use_gpu
+            )
+            stage = self._stage
+            work = lambda: [loads(row) for row in stage.collect()]  # noqa: E731
+        self._thread = threading.Thread(
+            target=self._run, args=(work,), name=f"sparkdist-run-{template.run_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, work: Callable[[], list[Outcome]]) -> None:
+        try:
+            self.outcomes = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
+            self.error = exc
+        finally:
+            with self._monitor.changed:
+                self.done = True
+                self._monitor.changed.notify_all()
+
+    def cancel(self) -> None:
+        if self._stage is not None:
+            try:
+                self._stage.cancel()
+            except Exception:
+                logger.debug("sparkdist: cancelling the Spark job failed", exc_info=True)
+
+
+def supervise(
+    config: LaunchConfig, submission: Submission, monitor: RunMonitor
+) -> list[Outcome]:
+    """Wait for the run to end, enforcing the deadlines; return every rank's Outcome.
+
+    Raises:
+        RunTimeoutError, RendezvousError, CancelledError: after every rank was stopped.
+        WorkerFailedError, ClusterError: when the Spark stage itself failed.
+    """
+    started = time.monotonic()
+    run_deadline = started + config.timeout_s if config.timeout_s else None
+    start_deadline = started + config.start_timeout_s
+    failure_deadline: float | None = None
+    with monitor.changed:
+        while not submission.done:
+            if monitor.cancelled:
+                raise _stop(submission, monitor, concurrent.futures.CancelledError(
+                    "the run was cancelled; every rank was stopped"))
+            now = time.monotonic()
+            if run_deadline is not None and now >= run_deadline:
+                raise _stop(submission, monitor, RunTimeoutError(
+                    f"the run exceeded timeout_s={config.timeout_s}; every rank was "
+                    "stopped. Raise timeout_s, or pass timeout_s=None for no limit"
+                ))
+            if len(monitor.joined) < monitor.world_size and now >= start_deadline:
+                missing = sorted(set(range(monitor.world_size)) - monitor.joined)
+                raise _stop(submission, monitor, RendezvousError(
+                    f"rank(s) {_ranks(missing)} did not join the run within "
+                    f"start_timeout_s={config.start_timeout_s}; check that the executors "
+                    "can start Python with torch, or raise start_timeout_s"
+                ))
+            if monitor.failure_order and failure_deadline is None:
+                failure_deadline = now + FAILURE_GRACE_S
+            if failure_deadline is not None and now >= failure_deadline:
+                submission.cancel()
+                failure_deadline = now + ABORT_GRACE_S
+            deadlines = [d for d in (run_deadline, failure_deadline) if d is not None]
+            if len(monitor.joined) < monitor.world_size:
+                deadlines.append(start_deadline)
+            monitor.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
+    with monitor.changed:
+        monitor.changed.wait_for(
+            lambda: len(monitor.byes) >= monitor.num_nodes, timeout=OUTPUT_DRAIN_S
+        )
+    if submission.error is not None:
+        raise _stage_failure(submission.error, monitor)
+    assert submission.outcomes is not None
+    return submission.outcomes
+
+
+def _stop(submission: Submission, monitor: RunMonitor, error: BaseException) -> BaseException:
+    """Abort every rank, cancel the stage, and wait until the agents are done."""
+    monitor.abort(str(error))
+    submission.cancel()
+    # The condition's lock is reentrant and fully released while waiting, so the channel's
+    # threads keep delivering messages even when the caller holds it.
+    with monitor.changed:
+        monitor.changed.wait_for(lambda: submission.done, timeout=ABORT_GRACE_S)
+    return error
+
+
+def request_cancel(monitor: RunMonitor, reason: str) -> None:
+    """Ask the supervising thread to stop the run (it raises CancelledError)."""
+    with monitor.changed:
+        monitor.cancelled = True
+        monitor.changed.notify_all()
+    monitor.abort(reason)
+
+
+def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
+    """The Spark stage itself failed (an executor died, a task raised before its agent ran)."""
+    if isinstance(error, (ClusterError, WorkerFailedError)):
+        return error
+    summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if monitor.failure_order:
+        failures = {
+            rank: RankFailure(
+                rank=rank, host="", exit_code=monitor.failure_codes.get(rank),
+                exc_type="", message=f"failed; its details were lost with the Spark stage "
+                f"({summary})",
+            )
+            for rank in monitor.failure_order
+        }
+        root = failures[monitor.failure_order[0]]
+        failed = WorkerFailedError(failures, root)
+        failed.__cause__ = error
+        return failed
+    cluster = ClusterError(
+        f"the Spark barrier stage failed before the ranks reported: {summary}; see the "
+        "executor logs for the cause"
+    )
+    cluster.__cause__ = error
+    return cluster
+
+
+def result_of(
+    outcomes: list[Outcome],
+    monitor: RunMonitor,
+    run_id: str,
+    config: LaunchConfig,
+    placement: Placement,
+) -> RunResult:
+    by_rank = {o.rank: o for o in outcomes}
+    failures = {o.rank: o.failure for o in outcomes if o.failure and not o.aborted}
+    if not failures:
+        # Nobody failed on their own, yet some rank has no value: report the stopped ones.
+        failures = {o.rank: o.failure for o in outcomes if o.failure}
+    missing = sorted(set(range(placement.world_size)) - set(by_rank))
+    if failures or missing:
+        for rank in missing:
+            failures[rank] = RankFailure(
+                rank=rank, host="", exit_code=None, exc_type="", message="never reported back"
+            )
+        raise _failure_error(failures, monitor, by_rank)
+    ordered = [by_rank[r] for r in range(placement.world_size)]
+    return RunResult(
+        values=[loads(o.value_bytes) if o.value_bytes is not None else None for o in ordered],
+        wall_times_s=[o.wall_time_s for o in ordered],
+        hosts=[o.host for o in ordered],
+        run_id=run_id,
+        mode=config.mode.value,
+        use_gpu=placement.use_gpu,
+        local_mode=config.local_mode,
+        num_tasks=placement.num_tasks,
+        dropped_lines=monitor.dropped,
+    )
+
+
+def _failure_error(
+    failures: dict[int, RankFailure], monitor: RunMonitor, by_rank: dict[int, Outcome]
+) -> WorkerFailedError:
+    # First failure the driver heard of; failing that, the earliest exit its agent saw.
+    first_heard = [rank for rank in monitor.failure_order if rank in failures]
+    root_rank = first_heard[0] if first_heard else min(
+        failures, key=lambda r: (by_rank[r].ended_at if r in by_rank else float("inf"), r)
+    )
+    error = WorkerFailedError(failures, failures[root_rank])
+    original = failures[root_rank].exception_bytes
+    if original is not None:
+        try:
+            cause = loads(original)
+        except Exception:
+            cause = None
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause
+    return error
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
