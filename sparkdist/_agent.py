@@ -36,6 +36,7 @@ from sparkdist import _worker
 from sparkdist._channel import ChannelClient, ChannelClosed, Message
 from sparkdist._env import RankSeat, seats_of_node, worker_env
 from sparkdist._errors import RankFailure
+from sparkdist._gpus import gpu_type_mismatch, gpus_at
 from sparkdist._payload import Outcome
 
 logger = logging.getLogger("sparkdist")
@@ -70,6 +71,7 @@ class AgentSpec:
         extra_env: variables to add to every rank's environment.
         restart_count: how many times the run restarted so far.
         max_restarts: how many restarts the run allows.
+        gpu_type: when set, the GPUs of this node must be of this type, or no rank starts.
     """
 
     run_id: str
@@ -87,6 +89,7 @@ class AgentSpec:
     extra_env: Mapping[str, str] = field(default_factory=dict)
     restart_count: int = 0
     max_restarts: int = 0
+    gpu_type: str | None = None
 
 
 class _Outbox:
@@ -211,6 +214,11 @@ class _Agent:
             job_file = os.path.join(run_dir, "job.pkl")
             with open(job_file, "wb") as f:
                 f.write(self.spec.job_bytes)
+            refusal = self._check_gpu_type()
+            if refusal is not None:
+                _tell_driver_once(self.spec, {"t": "refused", "node": self.spec.node_rank,
+                                              "reason": refusal})
+                return []
             # Spawn first: the workers' interpreter start-up overlaps with our handshake.
             self._spawn_all(run_dir, job_file)
             try:
@@ -241,6 +249,13 @@ class _Agent:
                 client.close()
                 client.join(FLUSH_TIMEOUT_S)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _check_gpu_type(self) -> str | None:
+        if self.spec.gpu_type is None:
+            return None
+        addresses = (self.spec.gpu_addresses or "").split(",") if self.spec.gpu_addresses else []
+        return gpu_type_mismatch(self.spec.gpu_type, gpus_at(addresses),
+                                 f"host {self.spec.host} (GPU addresses {addresses or 'none'})")
 
     # -- spawning -------------------------------------------------------------------------
 
@@ -444,6 +459,21 @@ class _Agent:
             message=message,
             last_lines=last,
         )
+
+
+def _tell_driver_once(spec: AgentSpec, message: Message) -> None:
+    """Connect, send one message, and hang up (best effort: the driver may be gone)."""
+    try:
+        client = ChannelClient(spec.channel_address, spec.secret, on_message=lambda m: None)
+    except (OSError, ChannelClosed):
+        return
+    try:
+        client.send(message)
+    except (OSError, ChannelClosed):
+        pass
+    finally:
+        client.close()
+        client.join(FLUSH_TIMEOUT_S)
 
 
 def _describe_exit(code: int | None) -> str:

@@ -51,6 +51,8 @@ class LaunchConfig:
         timeout_s: wall-clock limit for the whole run, or None for no limit.
         start_timeout_s: how long every rank may take to join the rendezvous.
         env: extra environment variables for every rank.
+        gpu_type: when set, every rank's GPU must be of this type ("H100", "A10"...), checked
+            on the hosts that run the ranks before any rank starts.
     """
 
     num_processes: int = 1
@@ -60,6 +62,7 @@ class LaunchConfig:
     timeout_s: float | None = None
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
+    gpu_type: str | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_processes", self.num_processes)
@@ -77,6 +80,11 @@ class LaunchConfig:
         ):
             raise ConfigError("env must map environment variable names (str) to values (str)")
         object.__setattr__(self, "env", dict(self.env))
+        if self.gpu_type is not None:
+            if not isinstance(self.gpu_type, str) or not self.gpu_type.strip():
+                raise ConfigError(f"gpu_type must be a GPU model name such as 'H100', got "
+                                  f"{self.gpu_type!r}")
+            object.__setattr__(self, "gpu_type", self.gpu_type.strip().upper())
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -9,8 +9,10 @@ Non-goals: GPUs of executors (Spark assigns those to each task).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -56,3 +58,44 @@ def _tokens(mask: str) -> list[str]:
             break  # CUDA stops at the first token it cannot parse
         tokens.append(str(int(token)))
     return tokens
+
+
+def gpu_type_matches(requested: str, device_name: str) -> bool:
+    """Whether ``device_name`` (as nvidia-smi prints it) is of the ``requested`` type.
+
+    The type must appear in the name as a whole model token, case-insensitively: "H100"
+    matches "NVIDIA H100 80GB HBM3" and "A10" matches "NVIDIA A10G" but not "NVIDIA A100".
+    """
+    pattern = rf"(?<![A-Z0-9]){re.escape(requested.upper())}(?![0-9])"
+    return re.search(pattern, device_name.upper()) is not None
+
+
+def gpu_type_mismatch(requested: str, gpus: Sequence[Gpu], where: str) -> str | None:
+    """None when every GPU is of the requested type, otherwise what to tell the user."""
+    if not gpus:
+        return (
+            f"gpu_type={requested!r} was requested but no NVIDIA GPU is visible on {where}; "
+            "pass gpu_type=None to run without the check (on CPU where there is no GPU)"
+        )
+    wrong = sorted({gpu.name for gpu in gpus if not gpu_type_matches(requested, gpu.name)})
+    if not wrong:
+        return None
+    return (
+        f"gpu_type={requested!r} was requested but {where} has {', '.join(wrong)}; pass the "
+        "type these GPUs are, gpu_type=None, or run where the requested GPUs are"
+    )
+
+
+def gpus_at(addresses: Sequence[str]) -> list[Gpu]:
+    """The visible GPUs whose CUDA_VISIBLE_DEVICES tokens are ``addresses`` (unmasked view)."""
+    by_address = {gpu.address: gpu for gpu in _all_gpus()}
+    return [by_address[a] for a in addresses if a in by_address]
+
+
+def _all_gpus() -> list[Gpu]:
+    saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    try:
+        return visible_gpus()
+    finally:
+        if saved is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved

@@ -25,10 +25,12 @@ from sparkdist import _spark
 from sparkdist._agent import AgentSpec
 from sparkdist._channel import ChannelServer, new_secret
 from sparkdist._config import LaunchConfig
-from sparkdist._gpus import visible_gpus
+from sparkdist._errors import ClusterError
+from sparkdist._gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._payload import Job, dumps_job
 from sparkdist._placement import (
     TORCH_IGNORE_SSL_KEY,
+    Placement,
     check_cluster_conf,
     place_local,
     place_on_cluster,
@@ -63,6 +65,7 @@ class Launch:
         if config.local_mode:
             session = session if session is not None else _spark.active_session()
             self.placement = place_local(config, _driver_gpus(config, session))
+            _check_local_gpu_type(config, self.placement)
             driver_host = "127.0.0.1"
             extra_env = {**_local_python_path(), **config.env}
         else:
@@ -98,6 +101,7 @@ class Launch:
             mode=config.mode.value,
             start_timeout_s=config.start_timeout_s,
             extra_env=extra_env,
+            gpu_type=config.gpu_type,
         )
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -188,6 +192,15 @@ def _driver_gpus(config: LaunchConfig, session: Any | None) -> list[str]:
     if from_spark is not None:
         return from_spark
     return [gpu.address for gpu in visible_gpus()]
+
+
+def _check_local_gpu_type(config: LaunchConfig, placement: Placement) -> None:
+    if config.gpu_type is None:
+        return
+    gpus = gpus_at(list(placement.driver_gpus)) if placement.use_gpu else []
+    problem = gpu_type_mismatch(config.gpu_type, gpus, "the driver")
+    if problem is not None:
+        raise ClusterError(problem)
 
 
 def _local_python_path() -> dict[str, str]:

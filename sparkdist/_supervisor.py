@@ -61,6 +61,7 @@ class RunMonitor:
         self.dropped = 0
         self.abort_reason: str | None = None
         self.cancelled = False
+        self.refusals: list[str] = []
 
     def on_message(self, peer: Peer, message: Message) -> None:
         kind = message["t"]
@@ -84,6 +85,11 @@ class RunMonitor:
                 self.failure_order.append(rank)
                 self.failure_codes[rank] = int(message["exit_code"])
                 self._abort_locked(f"rank {rank} failed")
+            elif kind == "refused":
+                # An agent would not start its ranks (wrong GPU type): nobody may train.
+                self.refusals.append(str(message.get("reason")))
+                self.byes.add(int(message["node"]))
+                self._abort_locked(str(message.get("reason")))
             elif kind == "bye":
                 self.byes.add(int(message["node"]))
                 self.dropped += int(message.get("dropped", 0))
@@ -206,6 +212,8 @@ def supervise(
         monitor.changed.wait_for(
             lambda: len(monitor.byes) >= monitor.num_nodes, timeout=OUTPUT_DRAIN_S
         )
+    if monitor.refusals:
+        raise ClusterError(monitor.refusals[0])
     if submission.error is not None:
         raise _stage_failure(submission.error, monitor)
     assert submission.outcomes is not None

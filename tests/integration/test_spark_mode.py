@@ -103,3 +103,14 @@ def test_same_function_through_pysparks_torch_distributor_and_ours(spark_local):
     assert ours == {"rank": 0, "total": 30.0, "node": "0", "local": "0"}
     # pyspark returns whichever rank wrote last; the reduced value agrees either way.
     assert theirs["total"] == ours["total"]
+
+
+def test_gpu_type_is_checked_on_the_executors_before_any_rank_starts(spark_local):
+    from sparkdist._config import LaunchConfig
+    from sparkdist._launcher import launch
+    from sparkdist.distributor import make_job
+
+    config = LaunchConfig(2, local_mode=False, use_gpu=False, gpu_type="h100")
+    with pytest.raises(ClusterError, match="gpu_type='H100' was requested but no NVIDIA GPU"):
+        launch(config, make_job(lambda: 1, (), {}))
+    assert not run_processes()
