@@ -15,13 +15,14 @@ from sparkdist._errors import (
     WorkerFailedError,
 )
 from sparkdist._result import RunResult
-from sparkdist.distributor import Distributor, TorchDistributor
+from sparkdist.distributor import DeepspeedTorchDistributor, Distributor, TorchDistributor
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterError",
     "ConfigError",
+    "DeepspeedTorchDistributor",
     "Distributor",
     "Mode",
     "RankFailure",

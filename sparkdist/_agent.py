@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from sparkdist import _worker
 from sparkdist._channel import ChannelClient, ChannelClosed, Message
-from sparkdist._env import RankSeat, seats_of_node, worker_env
+from sparkdist._env import DEEPSPEED_CONFIG_VAR, RankSeat, seats_of_node, worker_env
 from sparkdist._errors import RankFailure
 from sparkdist._gpus import gpu_type_mismatch, gpus_at
 from sparkdist._payload import Outcome
@@ -72,6 +72,8 @@ class AgentSpec:
         restart_count: how many times the run restarted so far.
         max_restarts: how many restarts the run allows.
         gpu_type: when set, the GPUs of this node must be of this type, or no rank starts.
+        deepspeed_config_json: the DeepSpeed config, written into the run directory for the
+            ranks (and removed with it).
     """
 
     run_id: str
@@ -90,6 +92,7 @@ class AgentSpec:
     restart_count: int = 0
     max_restarts: int = 0
     gpu_type: str | None = None
+    deepspeed_config_json: str | None = None
 
 
 class _Outbox:
@@ -261,6 +264,12 @@ class _Agent:
 
     def _spawn_all(self, run_dir: str, job_file: str) -> None:
         spec = self.spec
+        extra = dict(spec.extra_env)
+        if spec.deepspeed_config_json is not None:
+            config_path = os.path.join(run_dir, "deepspeed_config.json")
+            with open(config_path, "w", encoding="utf-8") as f:
+                f.write(spec.deepspeed_config_json)
+            extra[DEEPSPEED_CONFIG_VAR] = config_path
         for seat in seats_of_node(spec.node_rank, spec.processes_per_node, spec.num_nodes):
             env = worker_env(
                 os.environ,
@@ -272,7 +281,7 @@ class _Agent:
                 cuda_visible_devices=spec.gpu_addresses,
                 mode=spec.mode,
                 host=spec.host,
-                extra=spec.extra_env,
+                extra=extra,
             )
             cmd_read, cmd_write = os.pipe()
             note_read, note_write = os.pipe()

@@ -6,7 +6,9 @@ Non-goals: reading Spark conf (that is ``_placement``) or choosing GPUs (also ``
 from __future__ import annotations
 
 import enum
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,8 @@ class LaunchConfig:
         env: extra environment variables for every rank.
         gpu_type: when set, every rank's GPU must be of this type ("H100", "A10"...), checked
             on the hosts that run the ranks before any rank starts.
+        deepspeed_config: the DeepSpeed config (already parsed; see ``load_deepspeed_config``),
+            only with mode "deepspeed".
     """
 
     num_processes: int = 1
@@ -63,6 +67,7 @@ class LaunchConfig:
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     env: Mapping[str, str] = field(default_factory=dict)
     gpu_type: str | None = None
+    deepspeed_config: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_processes", self.num_processes)
@@ -85,6 +90,67 @@ class LaunchConfig:
                 raise ConfigError(f"gpu_type must be a GPU model name such as 'H100', got "
                                   f"{self.gpu_type!r}")
             object.__setattr__(self, "gpu_type", self.gpu_type.strip().upper())
+        if self.deepspeed_config is not None and self.mode is not Mode.DEEPSPEED:
+            raise ConfigError(
+                f"deepspeed_config was given with mode={self.mode.value!r}; pass "
+                "mode='deepspeed' (or drop deepspeed_config)"
+            )
+
+    def mode_settings(self) -> dict[str, Any]:
+        """The mode's settings worth showing in logs and results."""
+        settings: dict[str, Any] = {"mode": self.mode.value}
+        if self.deepspeed_config is not None:
+            zero = self.deepspeed_config.get("zero_optimization", {})
+            settings["zero_stage"] = zero.get("stage", 0) if isinstance(zero, Mapping) else None
+            offload = isinstance(zero, Mapping) and any(
+                isinstance(zero.get(k), Mapping) and zero[k].get("device") not in (None, "none")
+                for k in ("offload_optimizer", "offload_param")
+            )
+            settings["offload"] = bool(offload)
+        return settings
+
+
+def load_deepspeed_config(value: Mapping[str, Any] | str | os.PathLike[str] | None,
+                          ) -> dict[str, Any] | None:
+    """Read and check a DeepSpeed config given as a dict or the path of a JSON file.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not JSON, or is not a JSON object;
+            or the dict cannot be written as JSON.
+    """
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        try:
+            return dict(json.loads(json.dumps(value)))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(
+                f"deepspeed_config must hold only JSON values (numbers, strings, lists, dicts): "
+                f"{exc}"
+            ) from exc
+    if not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(
+            f"deepspeed_config must be a dict or the path of a JSON file, got "
+            f"{type(value).__name__}"
+        )
+    path = os.fspath(value)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read the DeepSpeed config {path!r}: {exc.strerror}; pass an existing JSON "
+            "file or a dict"
+        ) from exc
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"the DeepSpeed config {path!r} is not valid JSON: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError(
+            f"the DeepSpeed config {path!r} must be a JSON object, not {type(parsed).__name__}"
+        )
+    return parsed
 
 
 def _check_positive_int(name: str, value: Any) -> None:

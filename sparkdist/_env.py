@@ -19,6 +19,8 @@ USE_GPU_VAR = "SPARKDIST_USE_GPU"
 MODE_VAR = "SPARKDIST_MODE"
 HOST_VAR = "SPARKDIST_HOST"
 
+DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
+
 #: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
 #: which would describe the wrong world if inherited.
 _STALE = ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "GROUP_WORLD_SIZE", "ROLE_NAME")
@@ -119,4 +121,7 @@ def worker_env(
             "CUDA_VISIBLE_DEVICES": cuda_visible_devices or "",
         }
     )
+    if mode == "deepspeed" and cuda_visible_devices is None:
+        # DeepSpeed picks its accelerator at import; without a GPU it must be told "cpu".
+        env.setdefault("DS_ACCELERATOR", "cpu")
     return env

@@ -14,6 +14,8 @@ Non-goals: argument parsing of the public classes (``distributor``), Spark detai
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
 import os
 import sys
@@ -24,8 +26,8 @@ from typing import Any
 from sparkdist import _spark
 from sparkdist._agent import AgentSpec
 from sparkdist._channel import ChannelServer, new_secret
-from sparkdist._config import LaunchConfig
-from sparkdist._errors import ClusterError
+from sparkdist._config import LaunchConfig, Mode
+from sparkdist._errors import ClusterError, ConfigError
 from sparkdist._gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._payload import Job, dumps_job
 from sparkdist._placement import (
@@ -64,6 +66,7 @@ class Launch:
         self.config = config
         if config.local_mode:
             session = session if session is not None else _spark.active_session()
+            _check_local_packages(config)
             self.placement = place_local(config, _driver_gpus(config, session))
             _check_local_gpu_type(config, self.placement)
             driver_host = "127.0.0.1"
@@ -78,9 +81,10 @@ class Launch:
             driver_host = _spark.driver_host(session)
             extra_env = dict(config.env)
         placement = self.placement
+        settings = ", ".join(f"{k}={v}" for k, v in config.mode_settings().items())
         logger.info(
-            "sparkdist: run %s: %s on %d process(es), mode %s, %s, %d task(s)",
-            self.run_id, job.name, placement.world_size, config.mode.value,
+            "sparkdist: run %s: %s on %d process(es) (%s), %s, %d task(s)",
+            self.run_id, job.name, placement.world_size, settings,
             "GPU" if placement.use_gpu else "CPU (gloo)", placement.num_tasks,
         )
         self._monitor = RunMonitor(placement.world_size, placement.num_tasks)
@@ -102,6 +106,10 @@ class Launch:
             start_timeout_s=config.start_timeout_s,
             extra_env=extra_env,
             gpu_type=config.gpu_type,
+            deepspeed_config_json=(
+                json.dumps(dict(config.deepspeed_config))
+                if config.deepspeed_config is not None else None
+            ),
         )
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -192,6 +200,15 @@ def _driver_gpus(config: LaunchConfig, session: Any | None) -> list[str]:
     if from_spark is not None:
         return from_spark
     return [gpu.address for gpu in visible_gpus()]
+
+
+def _check_local_packages(config: LaunchConfig) -> None:
+    """Local ranks use the driver's interpreter: refuse a mode whose package is missing."""
+    if config.mode is Mode.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(
+            "mode='deepspeed' needs the deepspeed package, which this Python does not have; "
+            "pip install deepspeed (or pass mode='ddp')"
+        )
 
 
 def _check_local_gpu_type(config: LaunchConfig, placement: Placement) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -20,6 +20,8 @@ class RunResult:
         local_mode: whether ranks ran on the driver.
         num_tasks: Spark barrier tasks used (1 in local mode).
         dropped_lines: output lines that could not be forwarded to the driver in time.
+        mode_settings: the mode and its main settings (e.g. {"mode": "deepspeed",
+            "zero_stage": 2, "offload": False}).
 
     Example:
         >>> from sparkdist import Distributor
@@ -37,6 +39,7 @@ class RunResult:
     local_mode: bool
     num_tasks: int
     dropped_lines: int = 0
+    mode_settings: dict[str, Any] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -295,6 +295,7 @@ def result_of(
         local_mode=config.local_mode,
         num_tasks=placement.num_tasks,
         dropped_lines=monitor.dropped,
+        mode_settings=config.mode_settings(),
     )
 
 

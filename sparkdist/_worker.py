@@ -19,6 +19,7 @@ Non-goals: output forwarding (the agent reads our stdout/stderr), deciding the e
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -100,6 +101,7 @@ def main() -> None:
             raise TimeoutError(f"rank {rank} got no rendezvous port within {start_timeout_s} s")
         env["MASTER_PORT"] = str(link.master_port)
         _bind_device(env)
+        _prepare_mode(env)
         link.send({"t": "ready"})
         value = _run(job)
         _destroy_process_group()
@@ -158,12 +160,36 @@ def _bind_device(env: os._Environ[str]) -> None:
         torch.cuda.set_device(int(env["LOCAL_RANK"]))
 
 
+def _prepare_mode(env: os._Environ[str]) -> None:
+    """Check, in the rank's own interpreter, that the mode's machinery is there."""
+    mode = env.get("SPARKDIST_MODE")
+    if mode == "fsdp":
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            import torch
+
+            raise RuntimeError(
+                f"mode='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6) "
+                f"but this rank runs torch {torch.__version__}; upgrade torch or use "
+                "mode='ddp'"
+            ) from None
+
+
+def _deepspeed_argv(env: os._Environ[str]) -> list[str]:
+    """What pyspark's DeepspeedTorchDistributor appends to a script's arguments."""
+    if env.get("SPARKDIST_MODE") != "deepspeed":
+        return []
+    path = env.get("SPARKDIST_DEEPSPEED_CONFIG")
+    return ["--deepspeed", "--deepspeed_config", path] if path else ["--deepspeed"]
+
+
 def _run(job: Any) -> Any:
     from sparkdist._payload import TargetKind
 
     if job.kind is TargetKind.FUNCTION:
         return job.fn(*job.args, **job.kwargs)
-    sys.argv = [job.target, *job.argv]
+    sys.argv = [job.target, *job.argv, *_deepspeed_argv(os.environ)]
     if job.kind is TargetKind.SCRIPT:
         sys.path.insert(0, os.path.dirname(os.path.abspath(job.target)))
         runpy.run_path(job.target, run_name="__main__")
@@ -252,14 +278,23 @@ def _write_atomically(path: str, data: bytes) -> None:
 
 
 def _exit(code: int) -> None:
+    """Run the atexit hooks user code and libraries rely on, flush, and leave at once.
+
+    Skipping interpreter teardown matters: destroying torch's C++ objects (rank 0's store
+    server thread above all) while peers are still connected can abort the process
+    ("terminate called without an active exception") after its result was already written.
+    This is what multiprocessing does for its children too.
+    """
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - a failing hook must not change the outcome
+        traceback.print_exc()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:
             pass
-    # A clean exit runs atexit hooks that user code and libraries rely on; an exit code past
-    # 255 would wrap, so clamp it.
-    sys.exit(code if 0 <= code <= 255 else 1)
+    os._exit(code if 0 <= code <= 255 else 1)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkdist._config import DEFAULT_START_TIMEOUT_S, LaunchConfig, Mode
+from sparkdist._config import (
+    DEFAULT_START_TIMEOUT_S,
+    LaunchConfig,
+    Mode,
+    load_deepspeed_config,
+)
 from sparkdist._errors import ConfigError
 from sparkdist._launcher import launch
 from sparkdist._payload import Job, TargetKind
-from sparkdist._placement import TORCH_IGNORE_SSL_KEY
+from sparkdist._placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
 from sparkdist._result import RunResult
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
@@ -40,6 +45,9 @@ class Distributor:
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank.
+        deepspeed_config: with mode="deepspeed", the DeepSpeed config as a dict or the path of
+            a JSON file; every rank can read it (``runtime.deepspeed_config()``), and a script
+            target gets ``--deepspeed --deepspeed_config <path>`` after its own arguments.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none).
 
@@ -65,6 +73,7 @@ class Distributor:
         timeout_s: float | None = None,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
+        deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
         spark: Any | None = None,
     ) -> None:
         self.config = LaunchConfig(
@@ -75,6 +84,7 @@ class Distributor:
             timeout_s=timeout_s,
             start_timeout_s=start_timeout_s,
             env=dict(env or {}),
+            deepspeed_config=load_deepspeed_config(deepspeed_config),
         )
         self.spark = spark
 
@@ -142,6 +152,44 @@ class TorchDistributor(Distributor):
     ) -> None:
         super().__init__(num_processes, local_mode=local_mode, use_gpu=use_gpu)
         self._ignore_ssl_key = _ssl_conf
+
+
+class DeepspeedTorchDistributor(Distributor):
+    """Drop-in for ``pyspark.ml.deepspeed.deepspeed_distributor.DeepspeedTorchDistributor``.
+
+    Runs ``numGpus * nnodes`` ranks in mode "deepspeed". ``deepspeedConfig`` (a dict or the path
+    of a JSON file) is checked on the driver, shipped to every rank as a file (removed after the
+    run), appended to a script's arguments as ``--deepspeed --deepspeed_config <path>`` (as
+    pyspark does), and, unlike pyspark, readable from a function too:
+    ``sparkdist.runtime.deepspeed_config()``. Without a GPU, ranks use DeepSpeed's CPU
+    accelerator (``DS_ACCELERATOR=cpu``) and gloo.
+
+    Example:
+        >>> from sparkdist import DeepspeedTorchDistributor
+        >>> DeepspeedTorchDistributor(numGpus=2, useGpu=False,
+        ...     deepspeedConfig="conf/deepspeed/zero2.json").run(train)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        numGpus: int = 1,  # noqa: N803 - pyspark's names
+        nnodes: int = 1,
+        localMode: bool = True,  # noqa: N803
+        useGpu: bool = True,  # noqa: N803
+        deepspeedConfig: Mapping[str, Any] | str | os.PathLike[str] | None = None,  # noqa: N803
+    ) -> None:
+        for name, value in (("numGpus", numGpus), ("nnodes", nnodes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        super().__init__(
+            numGpus * nnodes,
+            local_mode=localMode,
+            use_gpu=useGpu,
+            mode=Mode.DEEPSPEED,
+            deepspeed_config=deepspeedConfig,
+        )
+        self.deepspeed_config = deepspeedConfig
+        self._ignore_ssl_key = DEEPSPEED_IGNORE_SSL_KEY
 
 
 def make_job(train_object: TrainObject, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Job:

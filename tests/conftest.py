@@ -11,7 +11,9 @@ import glob
 import os
 import sys
 import tempfile
+import shutil
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,14 @@ import pytest
 # All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+# Leak checks must see only this test session's runs (another session may share the machine):
+# every process we start inherits this marker, and run directories go to our own temp dir.
+SESSION_MARKER = "SPARKDIST_TEST_SESSION"
+os.environ[SESSION_MARKER] = uuid.uuid4().hex
+_SESSION_TMP = tempfile.mkdtemp(prefix="sparkdist-tests-")
+os.environ["TMPDIR"] = _SESSION_TMP
+tempfile.tempdir = None  # re-read TMPDIR
 
 REPO = Path(__file__).resolve().parent.parent
 FAKE_GPU_SCRIPT = REPO / "conf" / "fakeGpusResources.sh"
@@ -74,6 +84,7 @@ def _stop_session() -> None:
 def _stop_spark_at_end() -> Iterator[None]:
     yield
     _stop_session()
+    shutil.rmtree(_SESSION_TMP, ignore_errors=True)
 
 
 @pytest.fixture
@@ -102,7 +113,8 @@ def run_processes() -> list[psutil.Process]:
         try:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if "SPARKDIST_RUN_ID" in proc.environ():
+            env = proc.environ()
+            if "SPARKDIST_RUN_ID" in env and env.get(SESSION_MARKER) == os.environ[SESSION_MARKER]:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
