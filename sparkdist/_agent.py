@@ -44,11 +44,13 @@ logger = logging.getLogger("sparkdist")
 #: A line longer than this is cut into pieces of this size.
 MAX_LINE_BYTES = 64 * 1024
 #: Lines kept per rank for the failure report.
-LAST_LINES = 20
+LAST_LINES = 30
 #: Output lines buffered for the driver before new ones are dropped (and counted).
 OUTBOX_CAPACITY = 10_000
 #: How long a finished agent waits for its buffered output to reach the driver.
 FLUSH_TIMEOUT_S = 5.0
+#: How long a hung rank gets to print its stack dump before it is killed.
+STACK_DUMP_GRACE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class AgentSpec:
         gpu_type: when set, the GPUs of this node must be of this type, or no rank starts.
         deepspeed_config_json: the DeepSpeed config, written into the run directory for the
             ranks (and removed with it).
+        heartbeat_timeout_s: a joined rank silent (no report, no beat) for this long is hung.
     """
 
     run_id: str
@@ -93,6 +96,7 @@ class AgentSpec:
     max_restarts: int = 0
     gpu_type: str | None = None
     deepspeed_config_json: str | None = None
+    heartbeat_timeout_s: float | None = None
 
 
 class _Outbox:
@@ -173,6 +177,9 @@ class _Worker:
         self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
         self.threads: list[threading.Thread] = []
         self.killed = False
+        self.last_beat: float | None = None  # monotonic; set when it joins, then per beat
+        self.last_beat_wall = 0.0
+        self.hung_for_s: float | None = None
 
     def tell(self, message: Message) -> None:
         try:
@@ -356,15 +363,22 @@ class _Agent:
 
     def _read_notes(self, worker: _Worker, outbox: _Outbox) -> None:
         notes: IO[bytes] = worker.notes  # type: ignore[attr-defined]
+        rank = worker.seat.rank
         for raw in notes:
             try:
                 note = json.loads(raw)
             except ValueError:
                 continue
-            if note.get("t") == "store":
+            kind = note.get("t")
+            if kind == "store":
                 outbox.control({"t": "store", "port": int(note["port"])})
-            elif note.get("t") == "ready":
-                outbox.control({"t": "ready", "rank": worker.seat.rank})
+            elif kind in ("ready", "beat", "report"):
+                worker.last_beat, worker.last_beat_wall = time.monotonic(), time.time()
+                if kind == "ready":
+                    outbox.control({"t": "ready", "rank": rank})
+                elif kind == "report":
+                    # Progress is droppable like output: it must never stall training.
+                    outbox.line({**note, "rank": rank})
         notes.close()
 
     def _wait(self, worker: _Worker) -> None:
@@ -390,7 +404,11 @@ class _Agent:
     def _watch(self, outbox: _Outbox) -> None:
         running = set(self.workers)
         while running:
-            kind, payload = self.events.get()
+            try:
+                kind, payload = self.events.get(timeout=self._until_next_hang_check())
+            except queue.Empty:
+                self._check_heartbeats(outbox)
+                continue
             if kind == "exit":
                 worker, code = payload
                 running.discard(worker.seat.rank)
@@ -408,6 +426,44 @@ class _Agent:
             elif kind == "driver_gone" and self.master_port is None:
                 # Before the rendezvous the run cannot go on without the driver.
                 self._abort("the driver's control channel closed before the rendezvous")
+
+    # -- hang watchdog --------------------------------------------------------------------
+
+    def _until_next_hang_check(self) -> float | None:
+        timeout = self.spec.heartbeat_timeout_s
+        if timeout is None or self.aborting:
+            return None
+        beats = [w.last_beat for w in self.workers.values()
+                 if w.last_beat is not None and w.ended is None]
+        if not beats:
+            return min(timeout, 1.0)  # nobody joined yet: look again soon
+        return max(0.0, min(beats) + timeout - time.monotonic())
+
+    def _check_heartbeats(self, outbox: _Outbox) -> None:
+        """Declare silent ranks hung: dump their stacks into their output, report, stop."""
+        timeout = self.spec.heartbeat_timeout_s
+        if timeout is None or self.aborting:
+            return
+        now = time.monotonic()
+        silent = [w for w in self.workers.values() if w.ended is None
+                  and w.last_beat is not None and now - w.last_beat >= timeout]
+        if not silent:
+            return
+        for worker in silent:
+            worker.hung_for_s = now - (worker.last_beat or now)
+            try:
+                os.kill(worker.proc.pid, _worker.STACK_DUMP_SIGNAL)
+            except ProcessLookupError:
+                pass
+        # Give the dumps a moment to reach the output before the ranks are killed; the
+        # oldest silence is the likeliest culprit (the others wait for it in a collective).
+        time.sleep(STACK_DUMP_GRACE_S)
+        for worker in sorted(silent, key=lambda w: w.last_beat_wall):
+            outbox.control({"t": "failed", "rank": worker.seat.rank, "exit_code": None,
+                            "time": time.time(), "hung": True,
+                            "last_beat": worker.last_beat_wall})
+        names = ", ".join(str(w.seat.rank) for w in silent)
+        self._abort(f"rank(s) {names} sent no heartbeat for {timeout} s")
 
     def _abort(self, reason: str) -> None:
         if self.aborting:
@@ -427,7 +483,9 @@ class _Agent:
         wall = (worker.ended or time.monotonic()) - worker.started
         value_file = _worker.value_path(run_dir, seat.rank)
         failure_file = _worker.failure_path(run_dir, seat.rank)
-        killed_by_us = worker.killed and code is not None and code < 0
+        killed_by_us = (
+            worker.killed and code is not None and code < 0 and worker.hung_for_s is None
+        )
         if code == 0 and os.path.exists(value_file):
             with open(value_file, "rb") as f:
                 return Outcome(
@@ -458,7 +516,13 @@ class _Agent:
                 exception_bytes=recorded.exception_bytes,
             )
         message = _describe_exit(code)
-        if worker.killed and self.aborting:
+        if worker.hung_for_s is not None:
+            message = (
+                f"hung: no heartbeat or report for {worker.hung_for_s:.1f} s "
+                f"(heartbeat_timeout_s={self.spec.heartbeat_timeout_s}); its stack is in its "
+                "last output lines"
+            )
+        elif worker.killed and self.aborting:
             message = f"stopped by sparkdist: {self.abort_reason}"
         return RankFailure(
             rank=worker.seat.rank,

@@ -107,6 +107,9 @@ class _Framed:
 class Peer(_Framed):
     """The driver's end of one authenticated agent connection."""
 
+    #: The node (barrier task) the agent said it runs, once it said so.
+    node: int | None = None
+
 
 class ChannelServer:
     """Accepts agents on one address and hands each authenticated message to ``on_message``.

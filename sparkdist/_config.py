@@ -57,6 +57,11 @@ class LaunchConfig:
             on the hosts that run the ranks before any rank starts.
         deepspeed_config: the DeepSpeed config (already parsed; see ``load_deepspeed_config``),
             only with mode "deepspeed".
+        max_restarts: how many times a failed run is restarted, whole world at once.
+        checkpoint_dir: a directory every rank can reach (shared storage on a cluster), for
+            ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
+        heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
+            joined) is declared hung: its stack is dumped into its output and the run stops.
     """
 
     num_processes: int = 1
@@ -68,6 +73,9 @@ class LaunchConfig:
     env: Mapping[str, str] = field(default_factory=dict)
     gpu_type: str | None = None
     deepspeed_config: Mapping[str, Any] | None = None
+    max_restarts: int = 0
+    checkpoint_dir: str | None = None
+    heartbeat_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_processes", self.num_processes)
@@ -90,6 +98,20 @@ class LaunchConfig:
                 raise ConfigError(f"gpu_type must be a GPU model name such as 'H100', got "
                                   f"{self.gpu_type!r}")
             object.__setattr__(self, "gpu_type", self.gpu_type.strip().upper())
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or (
+            self.max_restarts < 0
+        ):
+            raise ConfigError(
+                f"max_restarts must be a whole number >= 0, got {self.max_restarts!r}"
+            )
+        if self.heartbeat_timeout_s is not None:
+            _check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.checkpoint_dir is not None:
+            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
+                raise ConfigError(
+                    f"checkpoint_dir must be a directory path, got {self.checkpoint_dir!r}"
+                )
+            object.__setattr__(self, "checkpoint_dir", os.path.abspath(self.checkpoint_dir))
         if self.deepspeed_config is not None and self.mode is not Mode.DEEPSPEED:
             raise ConfigError(
                 f"deepspeed_config was given with mode={self.mode.value!r}; pass "

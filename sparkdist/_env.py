@@ -20,6 +20,7 @@ MODE_VAR = "SPARKDIST_MODE"
 HOST_VAR = "SPARKDIST_HOST"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
+CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
 
 #: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
 #: which would describe the wrong world if inherited.

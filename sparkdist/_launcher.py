@@ -14,6 +14,8 @@ Non-goals: argument parsing of the public classes (``distributor``), Spark detai
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -27,7 +29,8 @@ from sparkdist import _spark
 from sparkdist._agent import AgentSpec
 from sparkdist._channel import ChannelServer, new_secret
 from sparkdist._config import LaunchConfig, Mode
-from sparkdist._errors import ClusterError, ConfigError
+from sparkdist._env import CHECKPOINT_DIR_VAR
+from sparkdist._errors import ClusterError, ConfigError, RankFailure, WorkerFailedError
 from sparkdist._gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._payload import Job, dumps_job
 from sparkdist._placement import (
@@ -75,7 +78,7 @@ class Launch:
             session = session if session is not None else _spark.get_or_create_session()
             conf = _spark.spark_conf(session)
             for warning in check_cluster_conf(conf, ignore_ssl_key):
-                logger.warning("sparkdist: %s", warning)
+                _warn_once(warning)
             self.placement = place_on_cluster(config, conf)
             _spark.wait_for_barrier_slots(session, self.placement.num_tasks)
             driver_host = _spark.driver_host(session)
@@ -87,11 +90,12 @@ class Launch:
             self.run_id, job.name, placement.world_size, settings,
             "GPU" if placement.use_gpu else "CPU (gloo)", placement.num_tasks,
         )
-        self._monitor = RunMonitor(placement.world_size, placement.num_tasks)
-        secret = new_secret()
-        self._server = ChannelServer(driver_host, secret, self._monitor.on_message)
-        self._monitor.server = self._server
-        template = AgentSpec(
+        if config.checkpoint_dir is not None:
+            os.makedirs(config.checkpoint_dir, exist_ok=True)
+            extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
+        self._session = session
+        self._driver_host = driver_host
+        self._template = AgentSpec(
             run_id=self.run_id,
             job_bytes=job_bytes,
             node_rank=0,
@@ -99,47 +103,87 @@ class Launch:
             processes_per_node=placement.processes_per_task,
             master_addr=driver_host,
             host=driver_host,
-            channel_address=(driver_host, self._server.port),
-            secret=secret,
+            channel_address=(driver_host, 0),
+            secret="",
             gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
             mode=config.mode.value,
             start_timeout_s=config.start_timeout_s,
             extra_env=extra_env,
+            max_restarts=config.max_restarts,
             gpu_type=config.gpu_type,
             deepspeed_config_json=(
                 json.dumps(dict(config.deepspeed_config))
                 if config.deepspeed_config is not None else None
             ),
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
         )
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        try:
-            self._submission = Submission(
-                session, template, placement, config.local_mode, self._monitor
-            )
-        except BaseException:
-            self._server.close()
-            raise
+        self._cancel_reason: str | None = None
+        self._lock = threading.Lock()
+        self._attempt = self._start_attempt(0)
         threading.Thread(
             target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
         ).start()
 
-    def _supervise(self) -> None:
+    def _start_attempt(self, restart_count: int) -> _Attempt:
+        """Open a fresh channel (new secret) and submit the agents for one attempt."""
+        placement = self.placement
+        monitor = RunMonitor(placement.world_size, placement.num_tasks)
+        secret = new_secret()
+        server = ChannelServer(
+            self._driver_host, secret, monitor.on_message, monitor.on_disconnect
+        )
+        monitor.server = server
+        template = dataclasses.replace(
+            self._template,
+            channel_address=(self._driver_host, server.port),
+            secret=secret,
+            restart_count=restart_count,
+        )
         try:
-            outcomes = supervise(self.config, self._submission, self._monitor)
-            self._result = result_of(
-                outcomes, self._monitor, self.run_id, self.config, self.placement
+            submission = Submission(
+                self._session, template, placement, self.config.local_mode, monitor
             )
+        except BaseException:
+            server.close()
+            raise
+        return _Attempt(monitor, server, submission)
+
+    def _supervise(self) -> None:
+        earlier: list[RankFailure] = []
+        try:
+            while True:
+                attempt = self._attempt
+                try:
+                    outcomes = supervise(self.config, attempt.submission, attempt.monitor)
+                    self._result = result_of(
+                        outcomes, attempt.monitor, self.run_id, self.config, self.placement
+                    )
+                    return
+                except WorkerFailedError as failed:
+                    if len(earlier) >= self.config.max_restarts:
+                        if earlier:
+                            raise WorkerFailedError(
+                                failed.failures, failed.root_cause, tuple(earlier)
+                            ) from failed.__cause__
+                        raise
+                    earlier.append(failed.root_cause)
+                finally:
+                    attempt.close()
+                logger.warning(
+                    "sparkdist: run %s attempt %d failed (%s); restarting the whole world "
+                    "(restart %d of %d)", self.run_id, len(earlier) - 1,
+                    earlier[-1].summary(), len(earlier), self.config.max_restarts,
+                )
+                with self._lock:
+                    if self._cancel_reason is not None:
+                        raise concurrent.futures.CancelledError(self._cancel_reason)
+                    self._attempt = self._start_attempt(len(earlier))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
-            self._server.close()
-            if self._monitor.dropped:
-                logger.warning(
-                    "sparkdist: %d output line(s) of the ranks were dropped because the "
-                    "driver fell behind", self._monitor.dropped,
-                )
             self._done.set()
 
     def done(self) -> bool:
@@ -162,11 +206,30 @@ class Launch:
 
     def cancel(self, reason: str = "the run was cancelled") -> bool:
         """Stop every rank and wait until they are gone; False if the run had already ended."""
-        if self._done.is_set():
-            return False
-        request_cancel(self._monitor, reason)
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._cancel_reason = reason
+            request_cancel(self._attempt.monitor, reason)
         self._done.wait(ABORT_GRACE_S)
         return True
+
+
+class _Attempt:
+    """One try of the whole world: its channel, its driver-side view, its agents."""
+
+    def __init__(self, monitor: RunMonitor, server: ChannelServer, submission: Submission):
+        self.monitor = monitor
+        self.server = server
+        self.submission = submission
+
+    def close(self) -> None:
+        self.server.close()
+        if self.monitor.dropped:
+            logger.warning(
+                "sparkdist: %d output line(s) of the ranks were dropped because the driver "
+                "fell behind", self.monitor.dropped,
+            )
 
 
 def launch(
@@ -191,6 +254,16 @@ def launch(
     except KeyboardInterrupt:
         run.cancel("the driver was interrupted (Ctrl-C)")
         raise
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Cluster-wide concerns are said once per driver process, not on every run."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("sparkdist: %s", message)
 
 
 def _driver_gpus(config: LaunchConfig, session: Any | None) -> list[str]:

@@ -19,6 +19,7 @@ TASK_GPU_KEY = "spark.task.resource.gpu.amount"
 DRIVER_GPU_KEY = "spark.driver.resource.gpu.amount"
 DYNAMIC_ALLOCATION_KEY = "spark.dynamicAllocation.enabled"
 SSL_KEY = "spark.ssl.enabled"
+AUTHENTICATE_KEY = "spark.authenticate"
 #: pyspark's opt-out from its SSL refusal; we honour the same key so confs carry over.
 TORCH_IGNORE_SSL_KEY = "pytorch.spark.distributor.ignoreSsl"
 DEEPSPEED_IGNORE_SSL_KEY = "deepspeed.spark.distributor.ignoreSsl"
@@ -127,6 +128,13 @@ def check_cluster_conf(conf: Mapping[str, str], ignore_ssl_key: str) -> list[str
             f"executors; start the session with {DYNAMIC_ALLOCATION_KEY}=false"
         )
     warnings: list[str] = []
+    master = conf.get("spark.master", "")
+    if master and not master.startswith("local") and not _is_true(conf.get(AUTHENTICATE_KEY)):
+        warnings.append(
+            f"master {master!r} runs without {AUTHENTICATE_KEY}=true: anyone who can reach the "
+            "cluster's ports can submit work to its executors; set spark.authenticate=true and "
+            "spark.authenticate.secret (sparkdist's own channel is authenticated either way)"
+        )
     if _is_true(conf.get(SSL_KEY)):
         if not _is_true(conf.get(ignore_ssl_key)):
             raise ClusterError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import sys
 import threading
 import time
@@ -62,6 +63,9 @@ class RunMonitor:
         self.abort_reason: str | None = None
         self.cancelled = False
         self.refusals: list[str] = []
+        self.hung_since: dict[int, float] = {}  # rank -> wall time of its last heartbeat
+        self.node_hosts: dict[int, str] = {}
+        self.lost_nodes: list[int] = []
 
     def on_message(self, peer: Peer, message: Message) -> None:
         kind = message["t"]
@@ -70,6 +74,8 @@ class RunMonitor:
             return
         with self.changed:
             if kind == "hello":
+                peer.node = int(message["node"])
+                self.node_hosts[peer.node] = str(message.get("host", ""))
                 # An agent that connects late still learns what the others already know.
                 if self.store_port is not None:
                     peer.send({"t": "rendezvous", "master_port": self.store_port})
@@ -83,7 +89,10 @@ class RunMonitor:
             elif kind == "failed":
                 rank = int(message["rank"])
                 self.failure_order.append(rank)
-                self.failure_codes[rank] = int(message["exit_code"])
+                if message.get("exit_code") is not None:
+                    self.failure_codes[rank] = int(message["exit_code"])
+                if message.get("hung"):
+                    self.hung_since[rank] = float(message.get("last_beat", 0.0))
                 self._abort_locked(f"rank {rank} failed")
             elif kind == "refused":
                 # An agent would not start its ranks (wrong GPU type): nobody may train.
@@ -94,6 +103,26 @@ class RunMonitor:
                 self.byes.add(int(message["node"]))
                 self.dropped += int(message.get("dropped", 0))
             self.changed.notify_all()
+
+    def on_disconnect(self, peer: Peer) -> None:
+        """An agent's connection dropped: before its "bye", its node is lost."""
+        node = peer.node
+        with self.changed:
+            if node is not None and node not in self.byes:
+                self.lost_nodes.append(node)
+                self._abort_locked(f"lost contact with node {node}")
+            self.changed.notify_all()
+
+    def root_cause_order(self, candidates: set[int]) -> list[int]:
+        """Failed ranks, likeliest root cause first.
+
+        The first failure the driver heard of comes first, except for hangs: every rank of a
+        hung collective goes silent, so the one silent longest is the likeliest culprit.
+        """
+        heard = [rank for rank in dict.fromkeys(self.failure_order) if rank in candidates]
+        if heard and all(rank in self.hung_since for rank in heard):
+            heard.sort(key=lambda rank: self.hung_since[rank])
+        return heard
 
     def abort(self, reason: str) -> None:
         with self.changed:
@@ -244,17 +273,26 @@ def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
     if isinstance(error, (ClusterError, WorkerFailedError)):
         return error
     summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    if monitor.failure_order:
-        failures = {
-            rank: RankFailure(
-                rank=rank, host="", exit_code=monitor.failure_codes.get(rank),
-                exc_type="", message=f"failed; its details were lost with the Spark stage "
-                f"({summary})",
-            )
-            for rank in monitor.failure_order
-        }
-        root = failures[monitor.failure_order[0]]
-        failed = WorkerFailedError(failures, root)
+    failures = {
+        rank: RankFailure(
+            rank=rank, host="", exit_code=monitor.failure_codes.get(rank),
+            exc_type="", message=f"failed; its details were lost with the Spark stage "
+            f"({summary})",
+        )
+        for rank in monitor.failure_order
+    }
+    per_node = monitor.world_size // max(monitor.num_nodes, 1)
+    for node in monitor.lost_nodes:
+        host = monitor.node_hosts.get(node, "")
+        for rank in range(node * per_node, (node + 1) * per_node):
+            failures.setdefault(rank, RankFailure(
+                rank=rank, host=host, exit_code=None, exc_type="",
+                message=f"lost with its node {node} (the executor or its Python worker died): "
+                f"{summary}",
+            ))
+    if failures:
+        order = monitor.root_cause_order(set(failures)) or sorted(failures)
+        failed = WorkerFailedError(failures, failures[order[0]])
         failed.__cause__ = error
         return failed
     cluster = ClusterError(
@@ -302,11 +340,16 @@ def result_of(
 def _failure_error(
     failures: dict[int, RankFailure], monitor: RunMonitor, by_rank: dict[int, Outcome]
 ) -> WorkerFailedError:
-    # First failure the driver heard of; failing that, the earliest exit its agent saw.
-    first_heard = [rank for rank in monitor.failure_order if rank in failures]
-    root_rank = first_heard[0] if first_heard else min(
+    # First failure the driver heard of; failing that, the earliest exit its agent saw. A
+    # rank that merely lost its peer in a collective is a symptom: when one rank dies, its
+    # peers' "connection reset" can reach the driver first.
+    heard = monitor.root_cause_order(set(failures))
+    by_time = sorted(
         failures, key=lambda r: (by_rank[r].ended_at if r in by_rank else float("inf"), r)
     )
+    order = heard + [r for r in by_time if r not in heard]
+    causes = [r for r in order if not _is_peer_loss(failures[r])]
+    root_rank = (causes or order)[0]
     error = WorkerFailedError(failures, failures[root_rank])
     original = failures[root_rank].exception_bytes
     if original is not None:
@@ -317,6 +360,18 @@ def _failure_error(
         if isinstance(cause, BaseException):
             error.__cause__ = cause
     return error
+
+
+_PEER_LOSS = re.compile(
+    r"Connection (reset|closed) by peer|Broken pipe|remote worker|communicator was aborted|"
+    r"DistNetworkError|DistBackendError|Socket Timeout|Connection refused",
+    re.IGNORECASE,
+)
+
+
+def _is_peer_loss(failure: RankFailure) -> bool:
+    """Whether a failure reads like the echo of another rank's death in a collective."""
+    return bool(_PEER_LOSS.search(f"{failure.exc_type} {failure.message}"))
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -42,6 +42,10 @@ START_TIMEOUT_VAR = "SPARKDIST_START_TIMEOUT_S"
 
 #: The store rank 0 hosts; a module global so it lives exactly as long as the process.
 _store: Any = None
+#: This process's link to its agent (None outside a sparkdist rank); ``runtime`` uses it.
+link: _AgentLink | None = None
+#: The signal on which a rank dumps every thread's Python stack (the hang watchdog sends it).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
 def value_path(result_dir: str, rank: int) -> str:
@@ -85,8 +89,18 @@ class _AgentLink:
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
+def send_to_agent(message: dict[str, Any]) -> bool:
+    """Send a note to this rank's agent; False outside a sparkdist rank."""
+    if link is None:
+        return False
+    link.send(message)
+    return True
+
+
 def main() -> None:
+    global link
     faulthandler.enable()  # a segfault in a rank prints its Python stack into its output
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     env = os.environ
     link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
     rank = int(env["RANK"])

@@ -48,6 +48,14 @@ class Distributor:
         deepspeed_config: with mode="deepspeed", the DeepSpeed config as a dict or the path of
             a JSON file; every rank can read it (``runtime.deepspeed_config()``), and a script
             target gets ``--deepspeed --deepspeed_config <path>`` after its own arguments.
+        max_restarts: restart the whole world this many times after a failure (each rank
+            sees ``TORCHELASTIC_RESTART_COUNT`` / ``runtime.restart_count()``); the final
+            error lists every attempt's root cause.
+        checkpoint_dir: a directory every rank can reach (shared storage on a cluster) for
+            ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``, so restarts resume.
+        heartbeat_timeout_s: declare a rank hung when, after joining, it goes this long
+            without ``runtime.report()`` or ``runtime.heartbeat()``: its Python stack is
+            dumped into its output and the run stops with ``WorkerFailedError``.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none).
 
@@ -74,6 +82,9 @@ class Distributor:
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
         env: Mapping[str, str] | None = None,
         deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+        max_restarts: int = 0,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        heartbeat_timeout_s: float | None = None,
         spark: Any | None = None,
     ) -> None:
         self.config = LaunchConfig(
@@ -85,6 +96,9 @@ class Distributor:
             start_timeout_s=start_timeout_s,
             env=dict(env or {}),
             deepspeed_config=load_deepspeed_config(deepspeed_config),
+            max_restarts=max_restarts,
+            checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
+            heartbeat_timeout_s=heartbeat_timeout_s,
         )
         self.spark = spark
 

@@ -13,7 +13,10 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is only imported by the helpers that need it
@@ -21,7 +24,9 @@ if TYPE_CHECKING:  # torch is only imported by the helpers that need it
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
+    "Checkpoint",
     "backend",
+    "checkpoint_dir",
     "deepspeed_config",
     "deepspeed_config_path",
     "device",
@@ -31,8 +36,13 @@ __all__ = [
     "get_local_world_size",
     "get_node_rank",
     "get_world_size",
+    "heartbeat",
     "is_main_process",
+    "load_checkpoint",
     "mode",
+    "report",
+    "restart_count",
+    "save_checkpoint",
 ]
 
 
@@ -157,3 +167,125 @@ def deepspeed_config() -> dict[str, Any] | None:
     with open(path, encoding="utf-8") as f:
         config: dict[str, Any] = json.load(f)
     return config
+
+
+def restart_count() -> int:
+    """How many times this run was restarted before this attempt (0 on the first)."""
+    return _int_env("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def heartbeat() -> None:
+    """Tell the launcher this rank is alive (for ``heartbeat_timeout_s``); cheap, no-op
+    outside a sparkdist rank."""
+    from sparkdist import _worker
+
+    _worker.send_to_agent({"t": "beat"})
+
+
+def report(step: int | None = None, total: int | None = None, **metrics: float) -> None:
+    """Report progress (and metrics) to the driver; also counts as a heartbeat.
+
+    Call it from the main process each step or every few steps. Non-finite or non-numeric
+    metric values are dropped. Outside a sparkdist rank it does nothing.
+
+    Example:
+        >>> runtime.report(step=10, total=100, loss=0.25)
+    """
+    from sparkdist import _worker
+
+    clean = {
+        str(k): float(v) for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
+    _worker.send_to_agent({
+        "t": "report",
+        "step": int(step) if step is not None else None,
+        "total": int(total) if total is not None else None,
+        "metrics": clean,
+    })
+
+
+# -- checkpoints ---------------------------------------------------------------------------
+
+_CHECKPOINT_FILE = re.compile(r"^step-(\d{9})\.pt$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint: the step it was taken after, the saved state, and its file."""
+
+    step: int
+    state: Any
+    path: str
+
+
+def checkpoint_dir() -> str | None:
+    """The run's checkpoint directory (``checkpoint_dir=`` of the launcher), or None."""
+    return os.environ.get("SPARKDIST_CHECKPOINT_DIR") or None
+
+
+def save_checkpoint(state: Any, step: int) -> str:
+    """Save ``state`` as the checkpoint of ``step``, atomically, from the main process.
+
+    Every rank must call it (it synchronises the ranks when a process group is up, so no
+    rank runs ahead of a checkpoint that is not written yet); only global rank 0 writes.
+    The file is ``<checkpoint_dir>/step-<step, 9 digits>.pt`` holding
+    ``{"step": step, "state": state}`` (``torch.save``), written to a temporary name and
+    renamed, so a crash never leaves a partial checkpoint behind. Gather sharded state
+    (FSDP, ZeRO-3) into ``state`` first, or save per-rank state under your own names.
+
+    Returns:
+        The checkpoint's path.
+
+    Raises:
+        RuntimeError: the launcher was given no ``checkpoint_dir``.
+    """
+    import torch
+
+    directory = _require_checkpoint_dir()
+    path = os.path.join(directory, f"step-{int(step):09d}.pt")
+    _barrier()
+    if is_main_process():
+        temporary = f"{path}.tmp-{os.getpid()}"
+        torch.save({"step": int(step), "state": state}, temporary)
+        os.replace(temporary, path)
+    _barrier()
+    return path
+
+
+def load_checkpoint(map_location: Any = "cpu") -> Checkpoint | None:
+    """The latest complete checkpoint of this run's ``checkpoint_dir``, or None.
+
+    Example:
+        >>> latest = runtime.load_checkpoint()  # doctest: +SKIP
+        >>> start = 0 if latest is None else latest.step  # doctest: +SKIP
+    """
+    import torch
+
+    directory = _require_checkpoint_dir()
+    steps = sorted(
+        (int(m.group(1)), name) for name in os.listdir(directory)
+        if (m := _CHECKPOINT_FILE.match(name))
+    )
+    if not steps:
+        return None
+    path = os.path.join(directory, steps[-1][1])
+    saved = torch.load(path, map_location=map_location, weights_only=False)
+    return Checkpoint(step=int(saved["step"]), state=saved["state"], path=path)
+
+
+def _require_checkpoint_dir() -> str:
+    directory = checkpoint_dir()
+    if directory is None:
+        raise RuntimeError(
+            "no checkpoint directory: pass checkpoint_dir=... to the launcher (shared storage "
+            "every rank can reach, on a cluster)"
+        )
+    return directory
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()

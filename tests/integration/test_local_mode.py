@@ -243,7 +243,8 @@ def test_dead_rank_is_named_and_nothing_survives(fn, rank, code, message):
         Distributor(2, use_gpu=False, timeout_s=100).run(fn)
     assert info.value.root_cause.rank == rank
     assert info.value.root_cause.exit_code == code
-    assert list(info.value.failures) == [rank]
+    # A peer may fail too ("connection reset") before it is stopped; the root cause is named.
+    assert rank in info.value.failures
     assert not run_processes()
 
 

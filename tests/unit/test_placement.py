@@ -116,3 +116,12 @@ def test_cuda_visible_devices(addresses, inherited, expected):
 def test_cuda_visible_devices_refuses_bad_addresses(addresses, inherited):
     with pytest.raises(ClusterError):
         cuda_visible_devices(addresses, inherited)
+
+
+def test_non_local_master_without_authentication_warns_once():
+    key = "pytorch.spark.distributor.ignoreSsl"
+    warnings = check_cluster_conf({"spark.master": "spark://10.0.0.1:7077"}, key)
+    assert len(warnings) == 1 and "spark.authenticate=true" in warnings[0]
+    assert check_cluster_conf(
+        {"spark.master": "yarn", "spark.authenticate": "true"}, key) == []
+    assert check_cluster_conf({"spark.master": "local-cluster[2,1,1024]"}, key) == []

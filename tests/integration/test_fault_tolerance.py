@@ -1,0 +1,191 @@
+"""Fault tolerance: restarts that resume, start-up deadline, hang watchdog, crashes, a lost
+channel. Every test checks that no process of the run survives (conftest's leak check)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import tempfile
+import time
+
+import pytest
+
+from tests.conftest import run_processes
+from sparkdist import Distributor, RendezvousError, WorkerFailedError
+from sparkdist._config import LaunchConfig
+from sparkdist._launcher import Launch
+from sparkdist.distributor import make_job
+
+TOTAL_STEPS = 60
+
+
+def deterministic_training(kill_at_step):
+    """60 steps of DDP-style training with checkpoints every 10 steps; rank 1 SIGKILLs itself
+    at ``kill_at_step`` on the first attempt only."""
+    import torch
+    import torch.distributed as dist
+
+    from sparkdist import runtime
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    latest = runtime.load_checkpoint()
+    if latest is not None:
+        model.load_state_dict(latest.state["model"])
+        optimizer.load_state_dict(latest.state["optimizer"])
+        start = latest.step
+    for step in range(start, TOTAL_STEPS):
+        if step == kill_at_step and rank == 1 and runtime.restart_count() == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        generator = torch.Generator().manual_seed(step * world + rank)
+        x = torch.randn(16, 4, generator=generator)
+        y = x.sum(dim=1, keepdim=True)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():  # average gradients by hand: fully deterministic
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        optimizer.step()
+        if (step + 1) % 10 == 0:
+            runtime.save_checkpoint(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step + 1)
+    return {"restart_count": runtime.restart_count(), "resumed_from": start,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def test_restart_resumes_from_checkpoint_bit_for_bit(tmp_path):
+    uninterrupted = Distributor(2, use_gpu=False, checkpoint_dir=tmp_path / "a").run(
+        deterministic_training, None)
+    resumed = Distributor(2, use_gpu=False, max_restarts=1, checkpoint_dir=tmp_path / "b").run(
+        deterministic_training, 30)
+    assert uninterrupted["restart_count"] == 0 and uninterrupted["resumed_from"] == 0
+    assert resumed["restart_count"] == 1 and resumed["resumed_from"] == 30
+    for key, value in uninterrupted["state"].items():
+        assert value.equal(resumed["state"][key]), key  # bit for bit
+    # Only complete checkpoints are there: no temporary file survives.
+    assert sorted(os.listdir(tmp_path / "b")) == [f"step-{s:09d}.pt" for s in range(10, 61, 10)]
+
+
+def always_fails():
+    from sparkdist import runtime
+
+    if runtime.get_global_rank() == 1:
+        raise ValueError(f"bad shard on attempt {runtime.restart_count()}")
+    time.sleep(60)
+
+
+def test_exhausted_restarts_list_every_attempts_root_cause():
+    with pytest.raises(WorkerFailedError) as info:
+        Distributor(2, use_gpu=False, max_restarts=2, timeout_s=100).run(always_fails)
+    error = info.value
+    assert len(error.attempts) == 2
+    assert [a.message for a in error.attempts] == [
+        "bad shard on attempt 0", "bad shard on attempt 1"]
+    assert error.root_cause.message == "bad shard on attempt 2"
+    assert "attempt 0 failed first at rank 1" in str(error)
+    assert not run_processes()
+
+
+class BlocksWhenUnpickledOnRankOne:
+    """An argument whose unpickling never finishes on rank 1: that rank never joins."""
+
+    def __reduce__(self):
+        return (_block_on_rank_one, ())
+
+
+def _block_on_rank_one():
+    if os.environ.get("RANK") == "1":
+        time.sleep(120)
+    return "ok"
+
+
+def test_rank_that_never_joins_is_named_by_the_start_deadline():
+    started = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"rank\(s\) 1 did not join"):
+        Distributor(2, use_gpu=False, start_timeout_s=3).run(
+            lambda arg: arg, BlocksWhenUnpickledOnRankOne())
+    assert time.monotonic() - started < 30
+    assert not run_processes()
+
+
+def hangs_while_peer_waits():
+    import torch
+    import torch.distributed as dist
+
+    from sparkdist import runtime
+
+    dist.init_process_group("gloo")
+    for step in range(1000):
+        runtime.report(step=step)
+        if step == 3 and dist.get_rank() == 1:
+            time.sleep(120)  # the hang: no more reports
+        dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1
+        time.sleep(0.05)
+
+
+def test_hung_rank_is_named_with_its_stack_and_the_run_stops():
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        Distributor(2, use_gpu=False, heartbeat_timeout_s=2, timeout_s=100).run(
+            hangs_while_peer_waits)
+    root = info.value.root_cause
+    assert root.rank == 1
+    assert "hung: no heartbeat or report for" in root.message
+    dump = "\n".join(root.last_lines)
+    assert "hangs_while_peer_waits" in dump and "Current thread" in dump  # faulthandler
+    assert time.monotonic() - started < 60
+    assert not run_processes()
+
+
+def segfaults_on_rank_zero():
+    import ctypes
+
+    if os.environ["RANK"] == "0":
+        ctypes.string_at(0)
+    time.sleep(60)
+
+
+def test_segfault_is_reported_with_the_signal_and_python_stack():
+    with pytest.raises(WorkerFailedError, match="killed by SIGSEGV") as info:
+        Distributor(2, use_gpu=False, timeout_s=100).run(segfaults_on_rank_zero)
+    assert info.value.root_cause.rank == 0
+    assert any("Segmentation fault" in line for line in info.value.root_cause.last_lines)
+    assert not run_processes()
+
+
+def test_training_finishes_when_the_drivers_channel_goes_away():
+    def steady():
+        import time
+
+        from sparkdist import runtime
+
+        for step in range(30):
+            print("step", step)
+            runtime.report(step=step)
+            time.sleep(0.05)
+        return "finished"
+
+    run = Launch(LaunchConfig(2, use_gpu=False), make_job(steady, (), {}))
+    deadline = time.monotonic() + 60
+    while len(run._attempt.monitor.joined) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    run._attempt.server.close()  # the driver side of the channel is gone mid-run
+    result = run.result(timeout=60)
+    assert result.values == ["finished", "finished"]
+    assert not run_processes()
+
+
+def test_run_directory_is_private():
+    def run_dir_mode():
+        import stat
+
+        pattern = os.path.join(tempfile.gettempdir(),
+                               f"sparkdist-{os.environ['TORCHELASTIC_RUN_ID']}-*")
+        return [stat.S_IMODE(os.stat(path).st_mode) for path in glob.glob(pattern)]
+
+    assert Distributor(1, use_gpu=False).run(run_dir_mode) == [0o700]
