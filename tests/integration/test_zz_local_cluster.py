@@ -63,3 +63,39 @@ def test_failure_on_an_executor_is_reported_with_rank(spark_cluster):
         Distributor(2, local_mode=False, use_gpu=False, timeout_s=100).run(fail)
     assert info.value.root_cause.rank == 0
     assert not run_processes()
+
+
+def test_killed_executor_jvm_fails_the_run_and_leaves_nothing(spark_cluster):
+    """Runs last in this file: the killed executor is replaced by the cluster afterwards."""
+    import time
+
+    import psutil
+
+    from sparkdist._config import LaunchConfig
+    from sparkdist._launcher import Launch
+    from sparkdist.distributor import make_job
+    from tests.conftest import SESSION_MARKER
+
+    def sleepy():
+        import time
+
+        time.sleep(120)
+
+    run = Launch(LaunchConfig(2, local_mode=False, use_gpu=False, timeout_s=100),
+                 make_job(sleepy, (), {}), session=spark_cluster)
+    deadline = time.monotonic() + 60
+    while len(run._attempt.monitor.joined) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    executors = [
+        p for p in psutil.process_iter(["cmdline"])
+        if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in " ".join(
+            p.info["cmdline"] or [])
+        and p.environ().get(SESSION_MARKER) == os.environ[SESSION_MARKER]
+    ]
+    assert executors, "no executor JVM of this session found"
+    started = time.monotonic()
+    executors[0].kill()
+    with pytest.raises(WorkerFailedError) as info:
+        run.result(timeout=90)
+    assert info.value.root_cause.rank in (0, 1)
+    assert time.monotonic() - started < 60
