@@ -390,12 +390,11 @@ class _Agent:
     def _on_driver_message(self, message: Message) -> None:
         kind = message.get("t")
         if kind == "rendezvous":
-            port = int(message["master_port"])
             with self.lock:
-                self.master_port = port
+                self.master_port = int(message["master_port"])
                 workers = list(self.workers.values())
             for worker in workers:
-                worker.tell({"t": "rendezvous", "master_port": port})
+                worker.tell(message)
         elif kind == "abort":
             self.events.put(("abort", str(message.get("reason", "the driver aborted the run"))))
 

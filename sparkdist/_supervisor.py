@@ -55,6 +55,10 @@ class RunMonitor:
         self.server: ChannelServer | None = None
         self.changed = threading.Condition()
         self.store_port: int | None = None
+        # Environment every rank gets with the rendezvous (after spawn): lets driver-side
+        # set-up that is slow (an MLflow run) overlap with the workers' start-up. None until
+        # ready; the rendezvous waits for it.
+        self.rank_env: dict[str, str] | None = {}
         self.joined: set[int] = set()
         self.failure_order: list[int] = []
         self.failure_codes: dict[int, int] = {}
@@ -77,13 +81,13 @@ class RunMonitor:
                 peer.node = int(message["node"])
                 self.node_hosts[peer.node] = str(message.get("host", ""))
                 # An agent that connects late still learns what the others already know.
-                if self.store_port is not None:
-                    peer.send({"t": "rendezvous", "master_port": self.store_port})
+                if self._rendezvous() is not None:
+                    peer.send(self._rendezvous())
                 if self.abort_reason is not None:
                     peer.send({"t": "abort", "reason": self.abort_reason})
             elif kind == "store":
                 self.store_port = int(message["port"])
-                self._broadcast({"t": "rendezvous", "master_port": self.store_port})
+                self._broadcast_rendezvous()
             elif kind == "ready":
                 self.joined.add(int(message["rank"]))
             elif kind == "failed":
@@ -103,6 +107,28 @@ class RunMonitor:
                 self.byes.add(int(message["node"]))
                 self.dropped += int(message.get("dropped", 0))
             self.changed.notify_all()
+
+    def hold_rendezvous(self) -> None:
+        """Hold the rendezvous until ``release_rendezvous`` provides the ranks' extra env."""
+        with self.changed:
+            self.rank_env = None
+
+    def release_rendezvous(self, env: dict[str, str]) -> None:
+        """Let the rendezvous go out, with ``env`` applied in every rank before user code."""
+        with self.changed:
+            self.rank_env = dict(env)
+            self._broadcast_rendezvous()
+            self.changed.notify_all()
+
+    def _rendezvous(self) -> Message | None:
+        if self.store_port is None or self.rank_env is None:
+            return None
+        return {"t": "rendezvous", "master_port": self.store_port, "env": self.rank_env}
+
+    def _broadcast_rendezvous(self) -> None:
+        message = self._rendezvous()
+        if message is not None:
+            self._broadcast(message)
 
     def on_disconnect(self, peer: Peer) -> None:
         """An agent's connection dropped: before its "bye", its node is lost."""

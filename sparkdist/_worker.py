@@ -65,6 +65,7 @@ class _AgentLink:
         self._lock = threading.Lock()
         self.master_port: int | None = None
         self.rendezvous = threading.Event()
+        self.rank_env: dict[str, str] = {}
         self.run_dir = ""
         threading.Thread(target=self._read, name="sparkdist-agent-link", daemon=True).start()
 
@@ -80,6 +81,7 @@ class _AgentLink:
             message = json.loads(line)
             if message.get("t") == "rendezvous":
                 self.master_port = int(message["master_port"])
+                self.rank_env = {str(k): str(v) for k, v in message.get("env", {}).items()}
                 self.rendezvous.set()
         # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
         # clean up after the run: remove its directory and take our whole process group
@@ -113,6 +115,7 @@ def main() -> None:
         job = _load_job(job_file)
         if not link.rendezvous.wait(start_timeout_s):
             raise TimeoutError(f"rank {rank} got no rendezvous port within {start_timeout_s} s")
+        env.update(link.rank_env)
         env["MASTER_PORT"] = str(link.master_port)
         _bind_device(env)
         _prepare_mode(env)
