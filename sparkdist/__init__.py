@@ -14,7 +14,9 @@ from sparkdist._errors import (
     SparkdistError,
     WorkerFailedError,
 )
+from sparkdist._gpu_type import GPUType
 from sparkdist._result import RunResult
+from sparkdist.decorator import distributed
 from sparkdist.distributor import DeepspeedTorchDistributor, Distributor, TorchDistributor
 
 __version__ = "0.1.0"
@@ -24,6 +26,7 @@ __all__ = [
     "ConfigError",
     "DeepspeedTorchDistributor",
     "Distributor",
+    "GPUType",
     "Mode",
     "RankFailure",
     "RendezvousError",
@@ -33,5 +36,6 @@ __all__ = [
     "TorchDistributor",
     "WorkerFailedError",
     "__version__",
+    "distributed",
     "runtime",
 ]

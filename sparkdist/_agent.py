@@ -23,8 +23,6 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,6 +36,7 @@ from sparkdist._env import DEEPSPEED_CONFIG_VAR, RankSeat, seats_of_node, worker
 from sparkdist._errors import RankFailure
 from sparkdist._gpus import gpu_type_mismatch, gpus_at
 from sparkdist._payload import Outcome
+from sparkdist._pool import RankProcess, start_rank
 
 logger = logging.getLogger("sparkdist")
 
@@ -167,10 +166,13 @@ class _Outbox:
 class _Worker:
     """One spawned rank and the threads that serve it."""
 
-    def __init__(self, seat: RankSeat, proc: subprocess.Popen[bytes], ctrl_in: IO[bytes]) -> None:
+    def __init__(
+        self, seat: RankSeat, proc: RankProcess, ctrl_in: IO[bytes], notes: IO[bytes]
+    ) -> None:
         self.seat = seat
         self.proc = proc
         self.ctrl_in = ctrl_in  # our write end of its command pipe; open until it exits
+        self.notes = notes  # the read end of its notes pipe
         self.started = time.monotonic()
         self.ended: float | None = None
         self.ended_at = 0.0
@@ -298,26 +300,19 @@ class _Agent:
             env[_worker.RESULT_DIR_VAR] = run_dir
             env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
             try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", "from sparkdist._worker import main; main()"],
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    pass_fds=(cmd_read, note_write),
-                    start_new_session=True,  # its own group: Ctrl-C is ours to handle, and
-                    # killpg reaches its children
-                )
+                proc = start_rank(env, (cmd_read, note_write))
+            except BaseException:
+                for fd in (cmd_write, note_read):
+                    os.close(fd)
+                raise
             finally:
                 os.close(cmd_read)
                 os.close(note_write)
-            worker = _Worker(seat, proc, os.fdopen(cmd_write, "wb"))
-            worker.notes = os.fdopen(note_read, "rb")  # type: ignore[attr-defined]
+            worker = _Worker(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
             self.workers[seat.rank] = worker
 
     def _start_threads(self, outbox: _Outbox) -> None:
         for worker in self.workers.values():
-            assert worker.proc.stdout is not None and worker.proc.stderr is not None
             targets: list[tuple[Any, tuple[Any, ...]]] = [
                 (self._forward, (worker, worker.proc.stdout, "stdout", outbox)),
                 (self._forward, (worker, worker.proc.stderr, "stderr", outbox)),
@@ -362,7 +357,7 @@ class _Agent:
             outbox.line({"t": "log", "rank": rank, "stream": stream, "line": text})
 
     def _read_notes(self, worker: _Worker, outbox: _Outbox) -> None:
-        notes: IO[bytes] = worker.notes  # type: ignore[attr-defined]
+        notes = worker.notes
         rank = worker.seat.rank
         for raw in notes:
             try:

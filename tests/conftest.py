@@ -107,16 +107,31 @@ def no_spark() -> Iterator[None]:
 
 
 def run_processes() -> list[psutil.Process]:
-    """Live processes that belong to a sparkdist run (their environment names one)."""
-    found = []
+    """Live processes that belong to one of this session's runs.
+
+    A cold-started rank names its run in its environment; a rank forked by a warm pool's
+    zygote carries the zygote's original environment, so it is found as a zygote's child.
+    """
+    ours = os.environ[SESSION_MARKER]
+    found, zygotes = [], set()
     for proc in psutil.process_iter(["pid"]):
         try:
             if proc.status() == psutil.STATUS_ZOMBIE:
                 continue
             env = proc.environ()
-            if "SPARKDIST_RUN_ID" in env and env.get(SESSION_MARKER) == os.environ[SESSION_MARKER]:
+            if env.get(SESSION_MARKER) != ours:
+                continue
+            if "SPARKDIST_RUN_ID" in env:
                 found.append(proc)
+            elif env.get("SPARKDIST_ZYGOTE") == "1":
+                zygotes.add(proc.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    for pid in zygotes:
+        try:
+            found += [c for c in psutil.Process(pid).children(recursive=True)
+                      if c.status() != psutil.STATUS_ZOMBIE and c not in found]
+        except psutil.NoSuchProcess:
             continue
     return found
 

@@ -121,9 +121,9 @@ def hangs_while_peer_waits():
 
     dist.init_process_group("gloo")
     for step in range(1000):
-        runtime.report(step=step)
         if step == 3 and dist.get_rank() == 1:
-            time.sleep(120)  # the hang: no more reports
+            time.sleep(120)  # the hang: rank 1 never reports step 3
+        runtime.report(step=step)
         dist.all_reduce(torch.ones(1))  # rank 0 waits here for rank 1
         time.sleep(0.05)
 

@@ -1,0 +1,349 @@
+"""``@distributed``: the shape of Databricks' serverless GPU API, on sparkdist's engine.
+
+Code written for the serverless API runs here by changing only the imports::
+
+    from sparkdist import distributed       # was: from serverless_gpu import distributed
+    from sparkdist import runtime as rt     # was: from serverless_gpu import runtime as rt
+
+``@distributed(gpus=N, ...)`` turns a function into a ``DistributedFunction``: calling it still
+runs the plain function in this process; ``.distributed(...)`` runs it on N ranks and returns
+every rank's value; ``.distributed_async(...)`` starts the same run and hands back a
+``DistributedRun`` at once, for sweeps. Both go through the engine behind ``Distributor``, so
+failures (``WorkerFailedError``), output streaming and cleanup are the same.
+
+Non-goals: provisioning GPUs (the driver or the Spark cluster has them), snapshotting pip
+environments, MLflow system metrics, Ray (``@ray_launch``), decorating methods.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from sparkdist._config import DEFAULT_START_TIMEOUT_S, LaunchConfig, Mode
+from sparkdist._errors import ConfigError
+from sparkdist._gpu_type import GPUType
+from sparkdist._launcher import Launch
+from sparkdist._placement import TASK_GPU_KEY
+from sparkdist.distributor import make_job
+
+__all__ = ["DistributedFunction", "DistributedRun", "GPUType", "distributed"]
+
+logger = logging.getLogger("sparkdist")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def distributed(
+    gpus: int,
+    gpu_type: GPUType | str | None = None,
+    remote: bool = False,
+    *,
+    use_gpu: bool | None = None,
+    mode: Mode | str = Mode.DDP,
+    timeout_s: float | None = None,
+    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    spark: Any | None = None,
+) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
+    """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
+
+    Every argument is checked here, when the decorator is applied, so a wrong one fails at
+    definition time rather than at launch.
+
+    Args:
+        gpus: the total number of processes (the world size), one per GPU where there are GPUs.
+        gpu_type: the GPU model every rank must get (a ``GPUType`` or its name in any case);
+            checked against the device names of the hosts that run the ranks before any rank
+            starts, raising ``ClusterError`` naming what was asked and what was found. None (the
+            default) checks nothing, and where there is no GPU the ranks run on CPU with gloo
+            (one warning per launch says so).
+        remote: False runs the ranks as processes on the driver; True runs them as one Spark
+            barrier stage on the cluster's executors.
+        use_gpu: as on ``Distributor``: None (the default) uses GPUs where there are any,
+            False forces CPU (and silences the CPU warning), True requires GPUs.
+        mode: "ddp" (default), "fsdp" or "deepspeed".
+        timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
+        start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
+        env: extra environment variables for every rank.
+        spark: the SparkSession to use (default: the active one). It is not pickled with the
+            function; an unpickled function uses the active session.
+
+    Returns:
+        A decorator that wraps a function in a ``DistributedFunction``.
+
+    Raises:
+        ConfigError: an argument is wrong (``gpus < 1``, an unknown ``gpu_type``, ...), the
+            decorator is used bare (``@distributed`` without ``gpus``), or the function is
+            already decorated.
+
+    Example:
+        >>> from sparkdist import distributed, runtime
+        >>> @distributed(gpus=2)
+        ... def train(lr):
+        ...     return runtime.get_global_rank(), lr
+        >>> train(0.1)  # a plain call, in this process
+        (0, 0.1)
+        >>> train.distributed(0.1)  # doctest: +SKIP
+        [(0, 0.1), (1, 0.1)]
+    """
+    if callable(gpus):
+        name = getattr(gpus, "__name__", "the function")
+        raise ConfigError(
+            f"@distributed needs the number of processes: write @distributed(gpus=2) above "
+            f"def {name}, not a bare @distributed"
+        )
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(
+            f"gpus must be a positive integer (the total number of processes), got {gpus!r}; "
+            "e.g. @distributed(gpus=2)"
+        )
+    if not isinstance(remote, bool):
+        raise ConfigError(
+            f"remote must be True (Spark barrier tasks) or False (processes on the driver), "
+            f"got {remote!r}"
+        )
+    model = GPUType.parse(gpu_type) if gpu_type is not None else None
+    if model is not None and use_gpu is False:
+        raise ConfigError(
+            f"gpu_type={model.value!r} asks for GPUs but use_gpu=False asks for CPU; drop one "
+            "of them"
+        )
+    config = LaunchConfig(
+        num_processes=gpus,
+        local_mode=not remote,
+        use_gpu=use_gpu,
+        mode=Mode.parse(mode),
+        timeout_s=timeout_s,
+        start_timeout_s=start_timeout_s,
+        env=dict(env or {}),
+        gpu_type=model.value if model is not None else None,
+    )
+
+    def decorate(fn: Callable[P, R]) -> DistributedFunction[P, R]:
+        if isinstance(fn, DistributedFunction):
+            raise ConfigError(
+                f"{fn.__name__} is already decorated with @distributed(gpus={fn.gpus}); keep "
+                "one @distributed decorator (its arguments set the launch)"
+            )
+        if not callable(fn):
+            raise ConfigError(
+                f"@distributed decorates a function, got {type(fn).__name__}; to run a script, "
+                "use sparkdist.Distributor(...).run('train.py', ...)"
+            )
+        return DistributedFunction(fn, config, spark)
+
+    return decorate
+
+
+class DistributedFunction(Generic[P, R]):
+    """A function decorated with ``@distributed``: a plain call, or a launch on every rank.
+
+    It keeps the function's name, qualified name, module and docstring, and pickles: by name
+    where its module can be imported (like any module-level function), otherwise by value
+    with the function's code (a notebook, ``__main__``, or a module registered with
+    ``cloudpickle.register_pickle_by_value``).
+
+    Attributes:
+        config: the launch configuration the decorator's arguments made.
+        spark: the SparkSession given to the decorator, or None (then the active one is used).
+
+    Example:
+        >>> from sparkdist import distributed
+        >>> @distributed(gpus=3)
+        ... def rank_squared():
+        ...     import os
+        ...     return int(os.environ["RANK"]) ** 2
+        >>> rank_squared.distributed()  # doctest: +SKIP
+        [0, 1, 4]
+        >>> run = rank_squared.distributed_async()  # doctest: +SKIP
+        >>> run.result(timeout=60)  # doctest: +SKIP
+        [0, 1, 4]
+    """
+
+    __wrapped__: Callable[P, R]
+    __name__: str
+    __qualname__: str
+
+    def __init__(self, fn: Callable[P, R], config: LaunchConfig, spark: Any | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        # Set after update_wrapper, which copies the function's __dict__ onto this object.
+        self.config = config
+        self.spark = spark
+
+    @property
+    def gpus(self) -> int:
+        """The number of processes a launch runs."""
+        return self.config.num_processes
+
+    @property
+    def gpu_type(self) -> GPUType | None:
+        """The GPU model every rank must get, or None for no check."""
+        return GPUType(self.config.gpu_type) if self.config.gpu_type is not None else None
+
+    @property
+    def remote(self) -> bool:
+        """True when launches run as Spark barrier tasks, False when on the driver."""
+        return not self.config.local_mode
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Call the plain function in this process (no launch)."""
+        return self.__wrapped__(*args, **kwargs)
+
+    def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """Run the function on every rank with these arguments; block until every rank ends.
+
+        Returns:
+            Every rank's return value, indexed by global rank.
+
+        Raises:
+            ConfigError, ClusterError: before any rank starts (an unpicklable argument, too
+                few slots, a ``gpu_type`` mismatch...).
+            WorkerFailedError: a rank failed; every other rank has been stopped.
+            RendezvousError: a rank did not join within ``start_timeout_s``.
+            RunTimeoutError: the run took longer than ``timeout_s``.
+            KeyboardInterrupt: after Ctrl-C stopped every rank.
+        """
+        launch = self._start(args, kwargs)
+        try:
+            return list(launch.result().values)
+        except KeyboardInterrupt:
+            launch.cancel("the driver was interrupted (Ctrl-C)")
+            raise
+
+    def distributed_async(self, *args: P.args, **kwargs: P.kwargs) -> DistributedRun[R]:
+        """Start the function on every rank and return at once, for sweeps and side-by-side runs.
+
+        Anything that can fail before a rank starts raises here, as in ``distributed``; what
+        happens after that is reported by the handle's ``result``.
+
+        Returns:
+            A ``DistributedRun``: ``result(timeout=None)`` waits for the list of values by
+            rank, ``done()`` polls, ``cancel()`` stops every rank.
+
+        Example:
+            >>> runs = [train.distributed_async(lr=lr) for lr in (0.1, 0.01)]  # doctest: +SKIP
+            >>> [run.result()[0] for run in runs]  # doctest: +SKIP
+        """
+        return DistributedRun(self._start(args, kwargs))
+
+    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
+        launch = Launch(self.config, make_job(self.__wrapped__, args, kwargs), session=self.spark)
+        if (
+            self.config.use_gpu is None
+            and self.config.gpu_type is None
+            and not launch.placement.use_gpu
+        ):
+            where = (
+                f"{TASK_GPU_KEY} is unset or 0, so Spark tasks get no GPU"
+                if self.remote
+                else "no GPU is visible on the driver"
+            )
+            logger.warning(
+                "sparkdist: %s runs on %d CPU process(es) with gloo: %s; pass use_gpu=False "
+                "to choose CPU explicitly and silence this warning",
+                self.__qualname__, self.gpus, where,
+            )
+        return launch
+
+    def __repr__(self) -> str:
+        gpu_type = self.config.gpu_type
+        return (
+            f"<DistributedFunction {self.__module__}.{self.__qualname__} gpus={self.gpus} "
+            f"gpu_type={gpu_type!r} remote={self.remote}>"
+        )
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        if _reachable_by_name(self):
+            return self.__qualname__
+        # By value: the plain function (cloudpickle ships its code) and the frozen config. The
+        # SparkSession is a live handle to this driver's JVM and stays behind.
+        return (_rebuild, (self.__wrapped__, self.config))
+
+
+class DistributedRun(Generic[R]):
+    """A launch started by ``DistributedFunction.distributed_async``.
+
+    Example:
+        >>> run = train.distributed_async(lr=0.1)  # doctest: +SKIP
+        >>> run.done()  # doctest: +SKIP
+        False
+        >>> run.cancel()  # stops every rank and waits until they are gone  # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, launch: Launch) -> None:
+        self._launch = launch
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (each rank's ``TORCHELASTIC_RUN_ID``)."""
+        return self._launch.run_id
+
+    def result(self, timeout: float | None = None) -> list[R]:
+        """Wait for the run and return every rank's value, indexed by global rank.
+
+        Args:
+            timeout: seconds to wait, or None to wait for the end of the run.
+
+        Raises:
+            TimeoutError: ``timeout`` passed and the run goes on (``RunTimeoutError``, a
+                subclass, means the run itself exceeded ``timeout_s`` and was stopped).
+            concurrent.futures.CancelledError: the run was cancelled.
+            WorkerFailedError, RendezvousError, RunTimeoutError: as ``distributed`` raises.
+        """
+        return list(self._launch.result(timeout).values)
+
+    def done(self) -> bool:
+        """True once the run has ended (every rank has exited), however it ended."""
+        return self._launch.done()
+
+    def cancel(self) -> bool:
+        """Stop every rank and wait until they are gone.
+
+        Returns:
+            True if this stopped the run, False if it had already ended.
+        """
+        return self._launch.cancel("the run was cancelled from its DistributedRun handle")
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "running"
+        return f"<DistributedRun {self.run_id} {state}>"
+
+
+def _rebuild(fn: Callable[P, R], config: LaunchConfig) -> DistributedFunction[P, R]:
+    """Unpickle a DistributedFunction that travelled by value."""
+    return DistributedFunction(fn, config)
+
+
+def _reachable_by_name(wrapper: DistributedFunction[Any, Any]) -> bool:
+    """Whether ``module.qualname`` finds this very object, so pickle can refer to it by name.
+
+    Not for ``__main__`` or for modules that cloudpickle (ours or pyspark's copy) was told to
+    ship by value: the process that unpickles cannot import those, which is why they travel by
+    value in the first place.
+    """
+    module_name = wrapper.__module__
+    if not module_name or module_name == "__main__" or "<locals>" in wrapper.__qualname__:
+        return False
+    if _registered_by_value(module_name):
+        return False
+    target: Any = sys.modules.get(module_name)
+    for part in wrapper.__qualname__.split("."):
+        target = getattr(target, part, None)
+    return target is wrapper
+
+
+def _registered_by_value(module_name: str) -> bool:
+    prefixes = {".".join(module_name.split(".")[:i]) for i in range(1, module_name.count(".") + 2)}
+    for pickler in ("cloudpickle", "pyspark.cloudpickle"):
+        # Only a cloudpickle already loaded can have a registry; importing one here would
+        # load pyspark for nothing.
+        registry = getattr(sys.modules.get(pickler), "list_registry_pickle_by_value", None)
+        if registry is not None and prefixes & set(registry()):
+            return True
+    return False
