@@ -11,6 +11,7 @@ Non-goals: placement and argument handling (``_launcher``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import re
 import sys
@@ -70,11 +71,23 @@ class RunMonitor:
         self.hung_since: dict[int, float] = {}  # rank -> wall time of its last heartbeat
         self.node_hosts: dict[int, str] = {}
         self.lost_nodes: list[int] = []
+        # Set by the launcher's tracker: where runtime.report() messages go (called on a
+        # reader thread, so it must be cheap), and a context around each rank line printed
+        # (a live progress bar steps aside for it).
+        self.on_report: Callable[[Message], None] | None = None
+        self.output_guard: Callable[[], contextlib.AbstractContextManager[Any]] = (
+            contextlib.nullcontext
+        )
 
     def on_message(self, peer: Peer, message: Message) -> None:
         kind = message["t"]
         if kind == "log":
-            _print_rank_line(message)
+            with self.output_guard():
+                _print_rank_line(message)
+            return
+        if kind == "report":
+            if self.on_report is not None:
+                self.on_report(message)
             return
         with self.changed:
             if kind == "hello":
@@ -390,7 +403,8 @@ def _failure_error(
 
 _PEER_LOSS = re.compile(
     r"Connection (reset|closed) by peer|Broken pipe|remote worker|communicator was aborted|"
-    r"DistNetworkError|DistBackendError|Socket Timeout|Connection refused",
+    r"DistNetworkError|DistBackendError|Socket Timeout|Connection refused|"
+    r"gloo/transport|ProcessGroupGloo|ProcessGroupNCCL|NCCL error|recvBytes|sendBytes",
     re.IGNORECASE,
 )
 

@@ -23,6 +23,7 @@ Non-goals: deciding when a pool is used or replaced (``_pool``).
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 import os
@@ -36,6 +37,11 @@ from typing import Any
 _HEADER = struct.Struct(">I")
 #: Descriptors sent with each request, in order.
 FDS_PER_REQUEST = 4
+#: Spares kept parked: at least this many, and as many as ranks ever ran at once (capped).
+MIN_SPARES = 2
+MAX_SPARES = 16
+#: The process name of a parked spare (15 characters at most).
+SPARE_NAME = "sparkdist-spare"
 
 
 def main() -> None:
@@ -47,18 +53,18 @@ def main() -> None:
 
     from sparkdist import _worker  # noqa: F401
 
+    # Move everything imported so far out of the collector's reach: a forked rank's first
+    # collection would otherwise touch (and so copy) every page of the inherited heap.
+    gc.collect()
+    gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
     listener.listen(64)
-    wake_read, wake_write = os.pipe()
-    os.set_blocking(wake_write, False)
-    signal.set_wakeup_fd(wake_write)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+    server = _Server(listener)
     sys.stdout.write("ready\n")
     sys.stdout.flush()
-    children: dict[int, socket.socket] = {}
     try:
-        _serve(listener, wake_read, children)
+        server.serve()
     finally:
         listener.close()
         try:
@@ -67,81 +73,141 @@ def main() -> None:
             pass
 
 
-def _serve(listener: socket.socket, wake_read: int, children: dict[int, socket.socket]) -> None:
-    stdin = sys.stdin.fileno()
-    while True:
-        try:
-            readable, _, _ = select.select([stdin, listener, wake_read], [], [])
-        except InterruptedError:
-            continue
-        if wake_read in readable:
-            os.read(wake_read, 4096)
-        _reap(children)
-        if stdin in readable and not os.read(stdin, 4096):
-            return  # the owner is gone
-        if listener in readable:
-            conn, _ = listener.accept()
+class _Spare:
+    """A forked child parked before becoming a rank: fork and first-touch costs are paid."""
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid = pid
+        self.sock = sock
+
+
+class _Server:
+    def __init__(self, listener: socket.socket) -> None:
+        self.listener = listener
+        self.wake_read, wake_write = os.pipe()
+        os.set_blocking(wake_write, False)
+        signal.set_wakeup_fd(wake_write)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select via the wakeup fd
+        self.children: dict[int, socket.socket] = {}  # rank pid -> its requester
+        self.spares: list[_Spare] = []
+        self.spare_target = MIN_SPARES
+        self._replenish()
+
+    def serve(self) -> None:
+        stdin = sys.stdin.fileno()
+        while True:
             try:
-                _spawn(listener, conn, wake_read, children)
-            except (OSError, ValueError):
-                conn.close()
+                readable, _, _ = select.select([stdin, self.listener, self.wake_read], [], [])
+            except InterruptedError:
+                continue
+            if self.wake_read in readable:
+                os.read(self.wake_read, 4096)
+            self._reap()
+            if stdin in readable and not os.read(stdin, 4096):
+                return  # the owner is gone
+            if self.listener in readable:
+                conn, _ = self.listener.accept()
+                try:
+                    self._hand_out(conn)
+                except (OSError, ValueError):
+                    conn.close()
+            self._replenish()  # after answering: spares are made off the critical path
 
-
-def _spawn(
-    listener: socket.socket, conn: socket.socket, wake_read: int,
-    children: dict[int, socket.socket],
-) -> None:
-    header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, FDS_PER_REQUEST)
-    if len(fds) != FDS_PER_REQUEST or len(header) != _HEADER.size:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("malformed spawn request")
-    (size,) = _HEADER.unpack(header)
-    request = json.loads(_recv_exact(conn, size))
-    pid = os.fork()
-    if pid == 0:  # the new rank
+    def _hand_out(self, conn: socket.socket) -> None:
+        header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, FDS_PER_REQUEST)
         try:
-            listener.close()
-            conn.close()
-            os.close(wake_read)
-            for other in children.values():
-                other.close()
-            _become_rank(request, fds)
-        except BaseException:  # noqa: BLE001 - a child must never return into the server
-            import traceback
+            if len(fds) != FDS_PER_REQUEST or len(header) != _HEADER.size:
+                raise ValueError("malformed spawn request")
+            (size,) = _HEADER.unpack(header)
+            body = _recv_exact(conn, size)
+            spare = self.spares.pop(0) if self.spares else self._fork_spare()
+            socket.send_fds(spare.sock, [header], fds)
+            spare.sock.sendall(body)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        spare.sock.close()
+        self.children[spare.pid] = conn
+        conn.sendall(json.dumps({"pid": spare.pid}).encode() + b"\n")
+        # Keep as many spares as ranks were ever running at once here (a run's burst).
+        self.spare_target = min(MAX_SPARES, max(self.spare_target, len(self.children)))
 
-            traceback.print_exc()
-            os._exit(70)
-    for fd in fds:
-        os.close(fd)
-    children[pid] = conn
-    conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    def _replenish(self) -> None:
+        while len(self.spares) < self.spare_target:
+            self.spares.append(self._fork_spare())
 
-
-def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
+    def _fork_spare(self) -> _Spare:
+        parent_end, child_end = socket.socketpair()
+        pid = os.fork()
         if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is None:
-            continue
-        try:
-            conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
-        except OSError:
-            pass
-        conn.close()
+            try:
+                parent_end.close()
+                self.listener.close()
+                os.close(self.wake_read)
+                signal.set_wakeup_fd(-1)
+                for conn in self.children.values():
+                    conn.close()
+                for spare in self.spares:
+                    spare.sock.close()
+                _park(child_end)
+            except BaseException:  # noqa: BLE001 - a child must never return into the server
+                import traceback
+
+                traceback.print_exc()
+            os._exit(70)
+        child_end.close()
+        return _Spare(pid, parent_end)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self.spares = [s for s in self.spares if s.pid != pid]
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            try:
+                message = {"exit": os.waitstatus_to_exitcode(status)}
+                conn.sendall(json.dumps(message).encode() + b"\n")
+            except OSError:
+                pass
+            conn.close()
+
+
+def _park(sock: socket.socket) -> None:
+    """Wait, as a spare, for a request; then become that rank (never returns)."""
+    os.setsid()  # its own group: the agent's killpg reaches it and its children
+    _set_process_name(SPARE_NAME)
+    for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+    _reseed()  # while parked: it costs ~20 ms, off the launch path
+    header, fds, _, _ = socket.recv_fds(sock, _HEADER.size, FDS_PER_REQUEST)
+    if len(header) != _HEADER.size:
+        os._exit(0)  # the zygote is gone: nothing to become
+    (size,) = _HEADER.unpack(header)
+    request = json.loads(_recv_exact(sock, size))
+    sock.close()
+    _set_process_name("python")
+    _become_rank(request, fds)
+
+
+def _set_process_name(name: str) -> None:
+    """Name the process (what ps and psutil show) so an idle spare is told from a rank."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
     stdout_w, stderr_w, ctrl_in, ctrl_out = fds
-    os.setsid()  # its own group: the agent's killpg reaches it and its children
-    signal.set_wakeup_fd(-1)
-    for signum in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_DFL)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(stdout_w, 1)
@@ -167,7 +233,6 @@ def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
     sys.argv = ["-c"]
-    _reseed()
     _worker.main()
     os._exit(0)
 

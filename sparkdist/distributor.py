@@ -20,6 +20,7 @@ from sparkdist._config import (
     load_deepspeed_config,
 )
 from sparkdist._errors import ConfigError
+from sparkdist._gpu_type import GPUType
 from sparkdist._launcher import launch
 from sparkdist._payload import Job, TargetKind
 from sparkdist._placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
@@ -56,6 +57,13 @@ class Distributor:
         heartbeat_timeout_s: declare a rank hung when, after joining, it goes this long
             without ``runtime.report()`` or ``runtime.heartbeat()``: its Python stack is
             dumped into its output and the run stops with ``WorkerFailedError``.
+        gpu_type: require this GPU model ("H100", ``GPUType.A100``...) on every host that runs
+            a rank; checked before any rank starts (``ClusterError`` naming both otherwise).
+        mlflow: False turns MLflow tracking off, True turns it on; None (the default) follows
+            ``SPARKDIST_MLFLOW`` (on unless it is 0). When on, the run gets an MLflow run (the
+            active one, ``MLFLOW_RUN_ID``'s, or a new one in ``MLFLOW_TRACKING_URI``, by default
+            ``sqlite:///mlflow.db``) whose id every rank has in ``MLFLOW_RUN_ID``; without the
+            mlflow package the run goes on and one line says tracking is off.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none).
 
@@ -85,6 +93,8 @@ class Distributor:
         max_restarts: int = 0,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         heartbeat_timeout_s: float | None = None,
+        gpu_type: str | None = None,
+        mlflow: bool | None = None,
         spark: Any | None = None,
     ) -> None:
         self.config = LaunchConfig(
@@ -99,6 +109,8 @@ class Distributor:
             max_restarts=max_restarts,
             checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
             heartbeat_timeout_s=heartbeat_timeout_s,
+            gpu_type=None if gpu_type is None else str(GPUType.parse(gpu_type).value),
+            mlflow=mlflow,
         )
         self.spark = spark
 
