@@ -42,6 +42,9 @@ MIN_SPARES = 2
 MAX_SPARES = 16
 #: The process name of a parked spare (15 characters at most).
 SPARE_NAME = "sparkdist-spare"
+#: A forked rank's process name is this plus its global rank ("sparkdist-r3"): its environment
+#: block is the zygote's, so this is how ps (and leak checks) tell a pooled rank.
+RANK_NAME_PREFIX = "sparkdist-r"
 
 
 def main() -> None:
@@ -191,7 +194,7 @@ def _park(sock: socket.socket) -> None:
     (size,) = _HEADER.unpack(header)
     request = json.loads(_recv_exact(sock, size))
     sock.close()
-    _set_process_name("python")
+    _set_process_name(f"{RANK_NAME_PREFIX}{request['env'].get('RANK', '')}")
     _become_rank(request, fds)
 
 
@@ -233,8 +236,18 @@ def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
         if entry and entry not in sys.path:
             sys.path.insert(0, entry)
     sys.argv = ["-c"]
+    _apply_import_time_settings(env)
     _worker.main()
     os._exit(0)
+
+
+def _apply_import_time_settings(env: dict[str, str]) -> None:
+    """Redo what torch read from the environment when the zygote imported it."""
+    threads = env.get("OMP_NUM_THREADS", "").strip()
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
 
 
 def _reseed() -> None:

@@ -110,7 +110,8 @@ def run_processes() -> list[psutil.Process]:
     """Live processes that belong to one of this session's runs.
 
     A cold-started rank names its run in its environment; a rank forked by a warm pool's
-    zygote carries the zygote's original environment, so it is found as a zygote's child.
+    zygote carries the zygote's original environment, so it is found by its process name
+    ("sparkdist-r<rank>") or as a zygote's child.
     """
     ours = os.environ[SESSION_MARKER]
     found, zygotes = [], set()
@@ -121,7 +122,7 @@ def run_processes() -> list[psutil.Process]:
             env = proc.environ()
             if env.get(SESSION_MARKER) != ours:
                 continue
-            if "SPARKDIST_RUN_ID" in env:
+            if "SPARKDIST_RUN_ID" in env or proc.name().startswith("sparkdist-r"):
                 found.append(proc)
             elif env.get("SPARKDIST_ZYGOTE") == "1":
                 zygotes.add(proc.pid)
