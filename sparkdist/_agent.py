@@ -26,15 +26,22 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from sparkdist import _worker
 from sparkdist._channel import ChannelClient, ChannelClosed, Message
-from sparkdist._env import DEEPSPEED_CONFIG_VAR, RankSeat, seats_of_node, worker_env
+from sparkdist._env import (
+    DEEPSPEED_CONFIG_VAR,
+    PARTITION_FILE_VAR,
+    RankSeat,
+    seats_of_node,
+    worker_env,
+)
 from sparkdist._errors import RankFailure
 from sparkdist._gpus import gpu_type_mismatch, gpus_at
+from sparkdist._partition import partition_path, write_partition
 from sparkdist._payload import Outcome
 from sparkdist._pool import RankProcess, start_rank
 
@@ -203,14 +210,43 @@ class _Worker:
             pass
 
 
-def run_agent(spec: AgentSpec) -> list[Outcome]:
-    """Run this node's ranks to the end and return one Outcome per rank, in rank order."""
-    return _Agent(spec).run()
+def run_agent(spec: AgentSpec, batches: Iterator[Any] | None = None) -> list[Outcome]:
+    """Run this node's ranks to the end and return one Outcome per rank, in rank order.
+
+    With ``batches`` (this task's share of a DataFrame, as Arrow record batches), they are
+    written to one file per rank on this thread, while the ranks start, and the row counts
+    go to the driver, which holds the rendezvous until every rank's count is in.
+    """
+    agent = _Agent(spec, expects_data=batches is not None)
+    if batches is None:
+        return agent.run()
+    result: list[list[Outcome]] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(agent.run())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            error.append(exc)
+            agent.spawned.set()
+
+    thread = threading.Thread(target=run, name="sparkdist-agent", daemon=True)
+    thread.start()
+    agent.spawned.wait()
+    agent.write_partition(batches)
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
 
 
 class _Agent:
-    def __init__(self, spec: AgentSpec) -> None:
+    def __init__(self, spec: AgentSpec, expects_data: bool = False) -> None:
         self.spec = spec
+        self.expects_data = expects_data
+        self.spawned = threading.Event()  # the workers exist and the outbox is open
+        self.run_dir = ""
+        self.outbox: _Outbox | None = None
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.workers: dict[int, _Worker] = {}
         self.master_port: int | None = None
@@ -219,7 +255,9 @@ class _Agent:
         self.lock = threading.Lock()
 
     def run(self) -> list[Outcome]:
-        run_dir = tempfile.mkdtemp(prefix=f"sparkdist-{self.spec.run_id}-{self.spec.node_rank}-")
+        run_dir = self.run_dir = tempfile.mkdtemp(
+            prefix=f"sparkdist-{self.spec.run_id}-{self.spec.node_rank}-"
+        )
         client: ChannelClient | None = None
         outbox: _Outbox | None = None
         try:
@@ -246,6 +284,8 @@ class _Agent:
             outbox = _Outbox(client)
             outbox.control({"t": "hello", "node": self.spec.node_rank, "host": self.spec.host})
             self._start_threads(outbox)
+            self.outbox = outbox
+            self.spawned.set()
             self._watch(outbox)
             outcomes = [self._outcome_of(w, run_dir) for w in self.workers.values()]
             # "bye" goes after the last output line: the driver knows the output is complete.
@@ -268,6 +308,20 @@ class _Agent:
         addresses = (self.spec.gpu_addresses or "").split(",") if self.spec.gpu_addresses else []
         return gpu_type_mismatch(self.spec.gpu_type, gpus_at(addresses),
                                  f"host {self.spec.host} (GPU addresses {addresses or 'none'})")
+
+    def write_partition(self, batches: Iterator[Any]) -> None:
+        """Write this task's rows for its ranks and report the counts (see ``run_agent``)."""
+        if not self.workers or self.outbox is None:
+            for _ in batches:  # the agent failed before spawning: drain so Spark moves on
+                pass
+            return
+        paths = {rank: partition_path(self.run_dir, rank) for rank in self.workers}
+        try:
+            counts = write_partition(batches, paths)
+        except BaseException as exc:
+            self.events.put(("abort", f"reading the DataFrame failed: {exc!r}"))
+            raise
+        self.outbox.control({"t": "rows", "counts": {str(r): n for r, n in counts.items()}})
 
     # -- spawning -------------------------------------------------------------------------
 
@@ -299,6 +353,8 @@ class _Agent:
             env[_worker.JOB_FILE_VAR] = job_file
             env[_worker.RESULT_DIR_VAR] = run_dir
             env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
+            if self.expects_data:
+                env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)
             try:
                 proc = start_rank(env, (cmd_read, note_write))
             except BaseException:

@@ -62,6 +62,8 @@ class LaunchConfig:
             ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
         heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
             joined) is declared hung: its stack is dumped into its output and the run stops.
+        mlflow: True/False turns MLflow tracking on/off; None follows SPARKDIST_MLFLOW (on
+            unless it is 0).
     """
 
     num_processes: int = 1
@@ -76,6 +78,7 @@ class LaunchConfig:
     max_restarts: int = 0
     checkpoint_dir: str | None = None
     heartbeat_timeout_s: float | None = None
+    mlflow: bool | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("num_processes", self.num_processes)
@@ -106,6 +109,8 @@ class LaunchConfig:
             )
         if self.heartbeat_timeout_s is not None:
             _check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if self.mlflow is not None and not isinstance(self.mlflow, bool):
+            raise ConfigError(f"mlflow must be True, False or None, got {self.mlflow!r}")
         if self.checkpoint_dir is not None:
             if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
                 raise ConfigError(

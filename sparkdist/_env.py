@@ -21,6 +21,9 @@ HOST_VAR = "SPARKDIST_HOST"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
 CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
+#: DataFrame input: this rank's Arrow IPC file, and every rank's row count (a JSON list).
+PARTITION_FILE_VAR = "SPARKDIST_PARTITION_FILE"
+ROWS_PER_RANK_VAR = "SPARKDIST_ROWS_PER_RANK"
 
 #: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
 #: which would describe the wrong world if inherited.

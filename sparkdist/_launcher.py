@@ -49,6 +49,7 @@ from sparkdist._supervisor import (
     result_of,
     supervise,
 )
+from sparkdist._tracking import RunTracker
 
 logger = logging.getLogger("sparkdist")
 
@@ -63,7 +64,17 @@ class Launch:
         *,
         session: Any | None = None,
         ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+        dataframe: Any | None = None,
     ) -> None:
+        if dataframe is not None:
+            if config.local_mode:
+                raise ConfigError(
+                    "a Spark DataFrame input is read by the barrier stage on the executors; "
+                    "pass local_mode=False (local mode runs no Spark job), or collect small "
+                    "data yourself and pass it as an argument"
+                )
+            session = session if session is not None else dataframe.sparkSession
+        self._dataframe = dataframe
         job_bytes = dumps_job(job)
         self.run_id = uuid.uuid4().hex[:12]
         self.config = config
@@ -122,7 +133,13 @@ class Launch:
         self._done = threading.Event()
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
-        self._attempt = self._start_attempt(0)
+        # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
+        self._tracker = RunTracker(config, placement, self.run_id)
+        try:
+            self._attempt = self._start_attempt(0)
+        except BaseException as exc:
+            self._tracker.close(None, exc)
+            raise
         threading.Thread(
             target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
         ).start()
@@ -131,6 +148,7 @@ class Launch:
         """Open a fresh channel (new secret) and submit the agents for one attempt."""
         placement = self.placement
         monitor = RunMonitor(placement.world_size, placement.num_tasks)
+        self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
         secret = new_secret()
         server = ChannelServer(
             self._driver_host, secret, monitor.on_message, monitor.on_disconnect
@@ -144,7 +162,8 @@ class Launch:
         )
         try:
             submission = Submission(
-                self._session, template, placement, self.config.local_mode, monitor
+                self._session, template, placement, self.config.local_mode, monitor,
+                self._dataframe,
             )
         except BaseException:
             server.close()
@@ -184,6 +203,7 @@ class Launch:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
+            self._result = self._tracker.close(self._result, self._error)
             self._done.set()
 
     def done(self) -> bool:
@@ -238,6 +258,7 @@ def launch(
     *,
     session: Any | None = None,
     ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+    dataframe: Any | None = None,
 ) -> RunResult:
     """Run ``job`` on ``config.num_processes`` ranks and return every rank's value.
 
@@ -248,7 +269,9 @@ def launch(
         RunTimeoutError: the run took longer than ``config.timeout_s``.
         KeyboardInterrupt: after Ctrl-C stopped every rank (and cancelled the Spark job).
     """
-    run = Launch(config, job, session=session, ignore_ssl_key=ignore_ssl_key)
+    run = Launch(
+        config, job, session=session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe
+    )
     try:
         return run.result()
     except KeyboardInterrupt:

@@ -22,6 +22,9 @@ class RunResult:
         dropped_lines: output lines that could not be forwarded to the driver in time.
         mode_settings: the mode and its main settings (e.g. {"mode": "deepspeed",
             "zero_stage": 2, "offload": False}).
+        mlflow_run_id: the MLflow run the launch logged to, or None when tracking was off.
+        last_metrics: the latest value of each metric passed to ``runtime.report()`` (by the
+            lowest rank that reported, normally rank 0).
 
     Example:
         >>> from sparkdist import Distributor
@@ -40,6 +43,8 @@ class RunResult:
     num_tasks: int
     dropped_lines: int = 0
     mode_settings: dict[str, Any] = field(default_factory=dict)
+    mlflow_run_id: str | None = None
+    last_metrics: dict[str, float] = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:

@@ -122,13 +122,23 @@ def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = Non
 
 
 class BarrierStage:
-    """One submitted barrier stage, cancellable from another thread."""
+    """One submitted barrier stage, cancellable from another thread.
 
-    def __init__(self, session: Any, template: AgentSpec, num_tasks: int, use_gpu: bool) -> None:
+    Without a DataFrame it is ``parallelize(range(num_tasks)).barrier().mapPartitions``; with
+    one it is ``df.mapInArrow(..., barrier=True)`` over the DataFrame repartitioned to one
+    partition per task (the shuffle is part of the same job), each task streaming its rows
+    to its ranks' files.
+    """
+
+    def __init__(
+        self, session: Any, template: AgentSpec, num_tasks: int, use_gpu: bool,
+        dataframe: Any | None = None,
+    ) -> None:
         self._session = session
         self._template = template
         self._num_tasks = num_tasks
         self._use_gpu = use_gpu
+        self._dataframe = dataframe
         self.job_group = f"sparkdist-{template.run_id}"
         self._cancelled = threading.Event()
 
@@ -141,8 +151,21 @@ class BarrierStage:
         def task(_: Iterator[Any]) -> Iterator[bytes]:
             return _barrier_task(template, use_gpu)
 
-        rdd = sc.parallelize(range(self._num_tasks), self._num_tasks)
+        def arrow_task(batches: Iterator[Any]) -> Iterator[Any]:
+            import pyarrow as pa
+
+            for outcome in _barrier_task(template, use_gpu, batches):
+                yield pa.RecordBatch.from_pydict({"outcome": [outcome]})
+
         try:
+            if self._dataframe is not None:
+                # Always repartition (round-robin, in the same job): the number of partitions
+                # the optimizer ends up with can differ from what df.rdd reports, and the
+                # barrier stage needs exactly one per task.
+                frame = self._dataframe.repartition(self._num_tasks)
+                rows = frame.mapInArrow(arrow_task, "outcome binary", barrier=True).collect()
+                return [bytes(row.outcome) for row in rows]
+            rdd = sc.parallelize(range(self._num_tasks), self._num_tasks)
             return list(rdd.barrier().mapPartitions(task).collect())
         finally:
             sc.setLocalProperty("spark.jobGroup.id", None)
@@ -154,7 +177,9 @@ class BarrierStage:
             self._session.sparkContext.cancelJobGroup(self.job_group)
 
 
-def _barrier_task(template: AgentSpec, use_gpu: bool) -> Iterator[bytes]:
+def _barrier_task(
+    template: AgentSpec, use_gpu: bool, batches: Iterator[Any] | None = None
+) -> Iterator[bytes]:
     import cloudpickle
     from pyspark import BarrierTaskContext
 
@@ -176,5 +201,5 @@ def _barrier_task(template: AgentSpec, use_gpu: bool) -> Iterator[bytes]:
         template, node_rank=node_rank, master_addr=hosts[0], host=hosts[node_rank],
         gpu_addresses=gpus,
     )
-    for outcome in run_agent(spec):
+    for outcome in run_agent(spec, batches):
         yield cloudpickle.dumps(outcome)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import json
 import logging
 import re
 import sys
@@ -24,8 +25,10 @@ from sparkdist import _spark
 from sparkdist._agent import AgentSpec, run_agent
 from sparkdist._channel import ChannelServer, Message, Peer
 from sparkdist._config import LaunchConfig
+from sparkdist._env import ROWS_PER_RANK_VAR
 from sparkdist._errors import (
     ClusterError,
+    ConfigError,
     RankFailure,
     RendezvousError,
     RunTimeoutError,
@@ -57,9 +60,14 @@ class RunMonitor:
         self.changed = threading.Condition()
         self.store_port: int | None = None
         # Environment every rank gets with the rendezvous (after spawn): lets driver-side
-        # set-up that is slow (an MLflow run) overlap with the workers' start-up. None until
-        # ready; the rendezvous waits for it.
-        self.rank_env: dict[str, str] | None = {}
+        # set-up that is slow (an MLflow run, the DataFrame's row counts) overlap with the
+        # workers' start-up. The rendezvous waits until every hold is released.
+        self.rank_env: dict[str, str] = {}
+        self.holds = 0
+        # DataFrame input: rows each rank got, reported by the agents after writing them.
+        self.rows: dict[int, int] = {}
+        self.expects_rows = False
+        self.data_error: str | None = None
         self.joined: set[int] = set()
         self.failure_order: list[int] = []
         self.failure_codes: dict[int, int] = {}
@@ -111,6 +119,8 @@ class RunMonitor:
                 if message.get("hung"):
                     self.hung_since[rank] = float(message.get("last_beat", 0.0))
                 self._abort_locked(f"rank {rank} failed")
+            elif kind == "rows":
+                self._record_rows(message.get("counts", {}))
             elif kind == "refused":
                 # An agent would not start its ranks (wrong GPU type): nobody may train.
                 self.refusals.append(str(message.get("reason")))
@@ -122,19 +132,51 @@ class RunMonitor:
             self.changed.notify_all()
 
     def hold_rendezvous(self) -> None:
-        """Hold the rendezvous until ``release_rendezvous`` provides the ranks' extra env."""
+        """Hold the rendezvous until a matching ``release_rendezvous``."""
         with self.changed:
-            self.rank_env = None
+            self.holds += 1
 
     def release_rendezvous(self, env: dict[str, str]) -> None:
-        """Let the rendezvous go out, with ``env`` applied in every rank before user code."""
+        """Release one hold, adding ``env`` to what every rank gets before user code runs;
+        the rendezvous goes out when no hold is left."""
         with self.changed:
-            self.rank_env = dict(env)
+            self.rank_env.update(env)
+            self.holds = max(0, self.holds - 1)
             self._broadcast_rendezvous()
             self.changed.notify_all()
 
+    def expect_rows(self) -> None:
+        """DataFrame input: hold the rendezvous until every rank's row count is in."""
+        self.expects_rows = True
+        self.hold_rendezvous()
+
+    def _record_rows(self, counts: dict[str, Any]) -> None:
+        self.rows.update({int(rank): int(n) for rank, n in counts.items()})
+        if len(self.rows) < self.world_size:
+            return
+        ordered = [self.rows[r] for r in range(self.world_size)]
+        if sum(ordered) == 0:
+            self.data_error = (
+                "the DataFrame has no rows: every rank would train on nothing; check its "
+                "filters, or pass a DataFrame with data"
+            )
+            self._abort_locked(self.data_error)
+            return
+        empty = [rank for rank, n in enumerate(ordered) if n == 0]
+        if empty:
+            self.data_error = (
+                f"rank(s) {_ranks(empty)} got no rows of the DataFrame (rows per rank: "
+                f"{ordered}); it is too small to give every rank some: use more rows or "
+                "fewer processes"
+            )
+            self._abort_locked(self.data_error)
+            return
+        self.rank_env[ROWS_PER_RANK_VAR] = json.dumps(ordered)
+        self.holds = max(0, self.holds - 1)
+        self._broadcast_rendezvous()
+
     def _rendezvous(self) -> Message | None:
-        if self.store_port is None or self.rank_env is None:
+        if self.store_port is None or self.holds:
             return None
         return {"t": "rendezvous", "master_port": self.store_port, "env": self.rank_env}
 
@@ -198,6 +240,7 @@ class Submission:
         placement: Placement,
         local_mode: bool,
         monitor: RunMonitor,
+        dataframe: Any | None = None,
     ) -> None:
         self.outcomes: list[Outcome] | None = None
         self.error: BaseException | None = None
@@ -208,8 +251,10 @@ class Submission:
         if local_mode:
             work = lambda: run_agent(template)  # noqa: E731
         else:
+            if dataframe is not None:
+                monitor.expect_rows()
             self._stage = _spark.BarrierStage(
-                session, template, placement.num_tasks, placement.use_gpu
+                session, template, placement.num_tasks, placement.use_gpu, dataframe
             )
             stage = self._stage
             work = lambda: [loads(row) for row in stage.collect()]  # noqa: E731
@@ -282,6 +327,8 @@ def supervise(
         )
     if monitor.refusals:
         raise ClusterError(monitor.refusals[0])
+    if monitor.data_error is not None:
+        raise ConfigError(monitor.data_error)
     if submission.error is not None:
         raise _stage_failure(submission.error, monitor)
     assert submission.outcomes is not None

@@ -126,13 +126,22 @@ class Distributor:
     def use_gpu(self) -> bool | None:
         return self.config.use_gpu
 
-    def run(self, train_object: TrainObject, *args: Any, **kwargs: Any) -> Any:
+    def run(
+        self,
+        train_object: TrainObject,
+        *args: Any,
+        spark_dataframe: Any | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Run ``train_object`` on every rank and return rank 0's return value.
 
         Args:
             train_object: a function (pickled with cloudpickle; ``args``/``kwargs`` are its
                 arguments) or the path of a Python script (``args`` become its command-line
                 arguments; ``kwargs`` are refused).
+            spark_dataframe: train on this Spark DataFrame (Spark mode only): the barrier
+                stage itself reads it, one partition per task, and each rank reads its own
+                rows with ``sparkdist.data`` (nothing is collected on the driver).
 
         Returns:
             What rank 0 returned (None for a script).
@@ -140,16 +149,33 @@ class Distributor:
         Raises:
             WorkerFailedError: a rank raised, exited non-zero or was killed.
         """
-        return self.run_all(train_object, *args, **kwargs).values[0]
+        return self.run_all(
+            train_object, *args, spark_dataframe=spark_dataframe, **kwargs
+        ).values[0]
 
-    def run_all(self, train_object: TrainObject, *args: Any, **kwargs: Any) -> RunResult:
+    def run_all(
+        self,
+        train_object: TrainObject,
+        *args: Any,
+        spark_dataframe: Any | None = None,
+        **kwargs: Any,
+    ) -> RunResult:
         """Like ``run``, but return a ``RunResult`` with every rank's value in rank order."""
         return launch(
             self.config,
             make_job(train_object, args, kwargs),
             session=self.spark,
             ignore_ssl_key=self._ignore_ssl_key,
+            dataframe=spark_dataframe,
         )
+
+    def _train_on_dataframe(
+        self, train_function: Callable[..., Any], spark_dataframe: Any, *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """pyspark's private ``TorchDistributor._train_on_dataframe``, for compatibility:
+        ``run(train_function, *args, spark_dataframe=spark_dataframe, **kwargs)``."""
+        return self.run(train_function, *args, spark_dataframe=spark_dataframe, **kwargs)
 
     def _run_module(self, module: str, *argv: str) -> RunResult:
         """Run ``python -m module argv...`` on every rank (the CLI's ``-m``)."""

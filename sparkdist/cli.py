@@ -1,0 +1,246 @@
+"""The ``sparkdist`` command line (also ``python -m sparkdist``).
+
+``sparkdist run`` launches a training script or module on N ranks, here or as Spark barrier
+tasks, and exits with the exit code of the rank that failed first, so job schedulers see
+failures; ``sparkdist doctor`` says whether this machine is ready and what to fix.
+
+The CLI only parses: arguments become a ``RunRequest``, which ``execute`` hands to
+``Distributor``. It prints (rank output is printed by the engine as ``[rank N] line``); library
+modules never do.
+
+Exit codes of ``run``: 0 when every rank succeeded; the exit code of the rank that failed first
+(128+N when signal N killed it); 124 when ``--timeout`` passed; 130 after Ctrl-C; 2 for bad
+arguments or configuration; 1 for anything else that stopped the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkdist._cli_parser import build_parser, script_args
+from sparkdist._config import Mode
+from sparkdist._errors import (
+    ConfigError,
+    RunTimeoutError,
+    SparkdistError,
+    WorkerFailedError,
+)
+
+#: The DeepSpeed config of ``--deepspeed-config``, as JSON text (not a path, so it reaches
+#: executors that do not share the driver's filesystem).
+DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
+
+EXIT_OTHER = 1
+EXIT_USAGE = 2
+EXIT_TIMEOUT = 124  # what timeout(1) exits with
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A parsed ``sparkdist run``: everything ``execute`` needs, already validated.
+
+    Attributes:
+        num_processes: the world size.
+        target: the script path, or the module name when ``module`` is True.
+        module: run ``target`` as ``python -m target``.
+        script_args: the script's command-line arguments.
+        mode: the launch mode's name.
+        master: the Spark master URL, or None to run on this machine.
+        spark_conf: Spark conf for the session started on ``master``.
+        use_gpu: False for ``--cpu``, None to use GPUs where there are any.
+        timeout_s: limit for the whole run, or None.
+        start_timeout_s: limit for every rank to join, or None for the library's default.
+        env: extra environment of every rank.
+    """
+
+    num_processes: int
+    target: str
+    module: bool = False
+    script_args: tuple[str, ...] = ()
+    mode: str = Mode.DDP.value
+    master: str | None = None
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    use_gpu: bool | None = None
+    timeout_s: float | None = None
+    start_timeout_s: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit code."""
+    args = build_parser().parse_args(argv)
+    logger = logging.getLogger("sparkdist")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    try:
+        if args.command == "doctor":
+            return _doctor(args)
+        return execute(run_request(args))
+    except ConfigError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    finally:
+        # main() may be called in-process (tests, notebooks): leave logging as it was.
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+
+
+def run_request(args: argparse.Namespace) -> RunRequest:
+    """Turn parsed ``run`` arguments into a RunRequest.
+
+    Raises:
+        ConfigError: the arguments contradict each other or a file is unusable.
+    """
+    from sparkdist._session import parse_assignment
+
+    spark_conf = dict(parse_assignment(item, "--conf") for item in args.conf)
+    if spark_conf and args.master is None:
+        raise ConfigError(
+            "--conf sets the Spark conf of the session started on --master, but the run is "
+            "local; add --master URL, or drop --conf"
+        )
+    env = dict(parse_assignment(item, "--env") for item in args.env)
+    if not args.module and not os.path.isfile(args.target):
+        raise ConfigError(
+            f"the script {args.target!r} does not exist (from {os.getcwd()}); give its path, or "
+            "pass -m to run a module"
+        )
+    mode = args.mode
+    if args.deepspeed_config is not None:
+        if mode not in (None, Mode.DEEPSPEED.value):
+            raise ConfigError(
+                f"--deepspeed-config applies to --mode deepspeed, not --mode {mode}; drop one"
+            )
+        mode = Mode.DEEPSPEED.value
+        env[DEEPSPEED_CONFIG_VAR] = load_deepspeed_config(args.deepspeed_config)
+    return RunRequest(
+        num_processes=args.num_processes,
+        target=args.target,
+        module=args.module,
+        script_args=script_args(args.script_args),
+        mode=mode or Mode.DDP.value,
+        master=args.master,
+        spark_conf=spark_conf,
+        use_gpu=False if args.cpu else None,
+        timeout_s=args.timeout,
+        start_timeout_s=args.start_timeout,
+        env=env,
+    )
+
+
+def load_deepspeed_config(path: str) -> str:
+    """Read a DeepSpeed config file and return it as compact JSON text.
+
+    Raises:
+        ConfigError: the file cannot be read, is not JSON, or is not a JSON object.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except OSError as exc:
+        raise ConfigError(f"--deepspeed-config {path!r} cannot be read: {exc.strerror}") from exc
+    except ValueError as exc:
+        raise ConfigError(
+            f"--deepspeed-config {path!r} is not valid JSON ({exc}); fix it, or start from "
+            "conf/deepspeed/zero2.json"
+        ) from exc
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"--deepspeed-config {path!r} holds a JSON {type(config).__name__}, but a DeepSpeed "
+            "config is a JSON object such as {\"train_micro_batch_size_per_gpu\": 1}"
+        )
+    return json.dumps(config, separators=(",", ":"))
+
+
+def execute(request: RunRequest) -> int:
+    """Run the request and return the command's exit code (messages go to stderr)."""
+    from sparkdist.distributor import Distributor
+
+    if request.module:
+        # `python -m` imports from the current directory; the `sparkdist` script does not have
+        # it on sys.path, and local ranks import from the driver's sys.path.
+        sys.path.insert(0, os.getcwd())
+    session = None
+    try:
+        if request.master is not None:
+            from sparkdist._session import create_session
+
+            session = create_session(request.master, request.spark_conf)
+        options: dict[str, Any] = {}
+        if request.start_timeout_s is not None:
+            options["start_timeout_s"] = request.start_timeout_s
+        distributor = Distributor(
+            request.num_processes,
+            local_mode=request.master is None,
+            use_gpu=request.use_gpu,
+            mode=request.mode,
+            timeout_s=request.timeout_s,
+            env=request.env,
+            spark=session,
+            **options,
+        )
+        if request.module:
+            distributor._run_module(request.target, *request.script_args)
+        else:
+            distributor.run_all(request.target, *request.script_args)
+        return 0
+    except KeyboardInterrupt:
+        _error("interrupted; every rank was stopped")
+        return EXIT_INTERRUPTED
+    except SparkdistError as exc:
+        _error(str(exc))
+        return exit_code_of(exc)
+    except Exception as exc:  # noqa: BLE001 - Spark/py4j failing to start: a message, no trace
+        _error(f"{type(exc).__name__}: {exc}")
+        return EXIT_OTHER
+    finally:
+        if session is not None:
+            session.stop()
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The command's exit code for an error that ended the run."""
+    if isinstance(error, WorkerFailedError):
+        code = error.root_cause.exit_code
+        if code is None or code == 0 or code > 255:
+            return EXIT_OTHER
+        return 128 - code if code < 0 else code  # killed by signal N: 128+N, as shells say
+    if isinstance(error, RunTimeoutError):
+        return EXIT_TIMEOUT
+    if isinstance(error, ConfigError):
+        return EXIT_USAGE
+    return EXIT_OTHER
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from sparkdist._doctor import run_checks
+    from sparkdist._doctor_spark import SPARK_PROBE_TIMEOUT_S
+    from sparkdist._doctor_table import format_checks, has_problem
+    from sparkdist._session import parse_assignment
+
+    overrides = dict(parse_assignment(item, "--conf") for item in args.conf)
+    checks = run_checks(
+        overrides,
+        args.properties_file,
+        args.spark_timeout if args.spark_timeout is not None else SPARK_PROBE_TIMEOUT_S,
+    )
+    print(format_checks(checks))
+    return 1 if has_problem(checks) else 0
+
+
+def _error(message: str) -> None:
+    print(f"sparkdist: error: {message}", file=sys.stderr)
+    if logging.getLogger("sparkdist").isEnabledFor(logging.DEBUG) and sys.exc_info()[0]:
+        traceback.print_exc(file=sys.stderr)

@@ -1,0 +1,228 @@
+"""Inside a rank: this rank's rows of the Spark DataFrame the run was given.
+
+``Distributor(...).run(train, spark_dataframe=df)`` makes the barrier stage stream each task's
+partition to local disk as Arrow IPC (one file per rank); here a rank memory-maps its file, so
+a partition larger than memory is never loaded at once.
+
+Equal steps: DDP hangs when ranks take different numbers of steps, and partitions rarely hold
+exactly the same number of rows. Every rank knows every rank's count (``rows_per_rank()``), so
+``partition_dataset`` equalizes by default: ``equalize="drop"`` keeps the first ``min(counts)``
+rows of each rank (the few excess rows are skipped this epoch), ``"wrap"`` pads every rank to
+``max(counts)`` by starting over its own rows, ``None`` keeps this rank's rows as they are.
+
+Example:
+    >>> from sparkdist import data  # doctest: +SKIP
+    >>> loader = torch.utils.data.DataLoader(
+    ...     data.partition_dataset(["features", "label"]), batch_size=64, num_workers=2)
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["PartitionDataset", "partition_dataset", "partition_table", "rows_per_rank"]
+
+_POLICIES = ("drop", "wrap", None)
+
+
+def _partition_file() -> str:
+    path = os.environ.get("SPARKDIST_PARTITION_FILE")
+    if not path:
+        raise RuntimeError(
+            "this rank has no DataFrame partition: pass spark_dataframe=df to "
+            "Distributor.run (Spark mode), and call sparkdist.data inside the training function"
+        )
+    return path
+
+
+def partition_table() -> Any:
+    """This rank's rows as a ``pyarrow.Table``, memory-mapped from local disk."""
+    import pyarrow as pa
+
+    with pa.memory_map(_partition_file(), "r") as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def rows_per_rank() -> list[int]:
+    """Every rank's row count, indexed by global rank (the same list on every rank)."""
+    raw = os.environ.get("SPARKDIST_ROWS_PER_RANK")
+    if raw is None:
+        _partition_file()  # raises the explanatory error
+        raise RuntimeError("row counts are missing from this rank's environment")
+    return [int(n) for n in json.loads(raw)]
+
+
+def partition_dataset(
+    columns: Sequence[str] | None = None,
+    *,
+    equalize: str | None = "drop",
+    float_dtype: Any = None,
+) -> PartitionDataset:
+    """A ``torch.utils.data.Dataset`` over this rank's rows: one tensor per column.
+
+    Args:
+        columns: the columns to return, in this order (default: all). A row is a tuple of
+            tensors, or a single tensor when one column is asked for.
+        equalize: "drop" (default), "wrap" or None; see the module docstring.
+        float_dtype: dtype for floating columns and ML vectors (default ``torch.float32``).
+
+    Column types: integers (int64 tensors), floats, booleans, arrays of numbers (1-D
+    tensors), and Spark ML vectors, dense or sparse (dense 1-D tensors).
+
+    Raises:
+        ValueError: a column is missing, or of a type that cannot become a tensor (the
+            message names the column and its type); ``equalize`` is not a known policy.
+    """
+    if equalize not in _POLICIES:
+        raise ValueError(f"equalize={equalize!r}; use 'drop', 'wrap' or None")
+    return PartitionDataset(columns, equalize, float_dtype)
+
+
+class PartitionDataset:
+    """See ``partition_dataset``. Safe with DataLoader workers: each process maps the file."""
+
+    def __init__(self, columns: Sequence[str] | None, equalize: str | None,
+                 float_dtype: Any) -> None:
+        import torch
+
+        self._path = _partition_file()
+        self._float_dtype = float_dtype or torch.float32
+        table = self._table()
+        self.columns = list(columns) if columns is not None else list(table.column_names)
+        for name in self.columns:
+            if name not in table.column_names:
+                raise ValueError(
+                    f"column {name!r} is not in the DataFrame (it has "
+                    f"{', '.join(table.column_names)})"
+                )
+            _converter(name, table.schema.field(name).type)  # refuse bad types up front
+        self.own_rows = table.num_rows
+        counts = rows_per_rank()
+        if equalize == "drop":
+            self._length = min(counts)
+        elif equalize == "wrap":
+            self._length = max(counts)
+        else:
+            self._length = self.own_rows
+        self._state: tuple[int, Any] | None = None
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self._length:
+            raise IndexError(index)
+        chunks, starts = self._chunks()
+        row = index % self.own_rows
+        which = bisect.bisect_right(starts, row) - 1
+        local = row - starts[which]
+        values = tuple(convert(local) for convert in chunks[which])
+        return values[0] if len(values) == 1 else values
+
+    def _table(self) -> Any:
+        import pyarrow as pa
+
+        return pa.ipc.open_file(pa.memory_map(self._path, "r")).read_all()
+
+    def _chunks(self) -> tuple[list[list[Any]], list[int]]:
+        # One mapping per process: DataLoader workers fork or spawn after construction.
+        if self._state is None or self._state[0] != os.getpid():
+            table = self._table().select(self.columns)
+            batches = table.to_batches()
+            converters, starts, offset = [], [], 0
+            for batch in batches:
+                converters.append([
+                    _converter(name, batch.schema.field(name).type)(
+                        batch.column(name), self._float_dtype)
+                    for name in self.columns
+                ])
+                starts.append(offset)
+                offset += batch.num_rows
+            self._state = (os.getpid(), (converters, starts))
+        return self._state[1]  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_state"] = None  # mappings are per process
+        return state
+
+
+def _converter(name: str, arrow_type: Any) -> Any:
+    """A factory (array, float_dtype) -> (row index -> tensor) for one column's type."""
+    import pyarrow as pa
+
+    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or (
+        pa.types.is_boolean(arrow_type)
+    ):
+        return _scalars
+    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
+            or pa.types.is_fixed_size_list(arrow_type)):
+        inner = arrow_type.value_type
+        if pa.types.is_integer(inner) or pa.types.is_floating(inner):
+            return _arrays
+    if pa.types.is_struct(arrow_type) and {f.name for f in arrow_type} >= {
+        "type", "size", "indices", "values"
+    }:
+        return _ml_vectors
+    raise ValueError(
+        f"column {name!r} has type {arrow_type}, which cannot become a tensor; select "
+        "numeric, array or ML vector columns (convert or drop this one with Spark first)"
+    )
+
+
+def _scalars(array: Any, float_dtype: Any) -> Any:
+    import numpy as np
+    import torch
+
+    values = array.to_numpy(zero_copy_only=False)
+    floating = np.issubdtype(values.dtype, np.floating)
+
+    def get(i: int) -> Any:
+        tensor = torch.as_tensor(values[i])
+        return tensor.to(float_dtype) if floating else tensor
+
+    return get
+
+
+def _arrays(array: Any, float_dtype: Any) -> Any:
+    import numpy as np
+    import torch
+
+    offsets = array.offsets.to_numpy() if hasattr(array, "offsets") else None
+    flat = array.flatten().to_numpy(zero_copy_only=False)  # this slice's values only
+    width = getattr(array.type, "list_size", None)
+    floating = np.issubdtype(flat.dtype, np.floating)
+
+    def get(i: int) -> Any:
+        if offsets is None:  # fixed-size lists
+            piece = flat[i * width:(i + 1) * width]
+        else:
+            piece = flat[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]
+        tensor = torch.as_tensor(np.array(piece))
+        return tensor.to(float_dtype) if floating else tensor
+
+    return get
+
+
+def _ml_vectors(array: Any, float_dtype: Any) -> Any:
+    import torch
+
+    kinds = array.field("type").to_pylist()
+    sizes = array.field("size").to_pylist()
+    indices = array.field("indices")
+    values = array.field("values")
+
+    def get(i: int) -> Any:
+        vector_values = torch.tensor(values[i].as_py() or [], dtype=float_dtype)
+        if kinds[i] == 1:  # dense
+            return vector_values
+        dense = torch.zeros(int(sizes[i]), dtype=float_dtype)
+        positions = torch.tensor(indices[i].as_py() or [], dtype=torch.long)
+        dense[positions] = vector_values
+        return dense
+
+    return get

@@ -1,0 +1,146 @@
+"""The CLI's parsing into a RunRequest, its refusals, and its exit codes (no process started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparkdist import ClusterError, ConfigError, RankFailure, RunTimeoutError, WorkerFailedError
+from sparkdist.cli import (
+    DEEPSPEED_CONFIG_VAR,
+    RunRequest,
+    build_parser,
+    exit_code_of,
+    main,
+    run_request,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    return tmp_path
+
+
+def parse(*argv: str) -> RunRequest:
+    return run_request(build_parser().parse_args(["run", *argv]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "target", "script_args"),
+    [
+        (["-n", "2", "train.py", "--", "--lr", "1e-3"], "train.py", ("--lr", "1e-3")),
+        (["-n", "2", "train.py", "--lr", "1e-3"], "train.py", ("--lr", "1e-3")),
+        (["train.py", "--", "--", "x"], "train.py", ("--", "x")),  # only the first -- is ours
+        (["train.py", "-n", "3"], "train.py", ("-n", "3")),  # after the script: the script's
+        (["train.py"], "train.py", ()),
+    ],
+)
+def test_script_arguments_follow_the_script(in_tmp, argv, target, script_args):
+    request = parse(*argv)
+    assert (request.target, request.script_args, request.module) == (target, script_args, False)
+
+
+def test_defaults_are_one_local_rank_ddp_auto_gpu(in_tmp):
+    assert parse("train.py") == RunRequest(num_processes=1, target="train.py")
+
+
+def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
+    request = parse(
+        "-n", "4", "--master", "spark://h:7077", "--conf", "spark.task.resource.gpu.amount=1",
+        "--env", "A=x=y", "--cpu", "--timeout", "60", "--start-timeout", "30", "--mode", "fsdp",
+        "-m", "pkg.train", "--", "--epochs", "2",
+    )
+    assert request == RunRequest(
+        num_processes=4, target="pkg.train", module=True, script_args=("--epochs", "2"),
+        mode="fsdp", master="spark://h:7077",
+        spark_conf={"spark.task.resource.gpu.amount": "1"}, use_gpu=False, timeout_s=60.0,
+        start_timeout_s=30.0, env={"A": "x=y"},
+    )
+
+
+def test_deepspeed_config_implies_the_mode_and_travels_as_json(in_tmp):
+    request = parse("--deepspeed-config", str(REPO / "conf/deepspeed/zero3.json"), "train.py")
+    assert request.mode == "deepspeed"
+    assert json.loads(request.env[DEEPSPEED_CONFIG_VAR])["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--conf", "a=b", "train.py"], "add --master URL"),
+        (["--master", "local[2]", "--conf", "novalue", "train.py"], "is not KEY=VALUE"),
+        (["--env", "=x", "train.py"], "is not KEY=VALUE"),
+        (["--mode", "ddp", "--deepspeed-config", "ds.json", "train.py"], "not --mode ddp"),
+        (["--deepspeed-config", "missing.json", "train.py"], "cannot be read"),
+        (["--deepspeed-config", "broken.json", "train.py"], "is not valid JSON"),
+        (["--deepspeed-config", "list.json", "train.py"], "is a JSON object"),
+        (["missing.py"], "does not exist"),
+    ],
+)
+def test_contradictions_and_bad_files_are_config_errors(in_tmp, argv, message):
+    (in_tmp / "ds.json").write_text("{}")
+    (in_tmp / "broken.json").write_text("{nope")
+    (in_tmp / "list.json").write_text("[1]")
+    with pytest.raises(ConfigError, match=message):
+        parse(*argv)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["run", "-n", "0", "train.py"],
+        ["run", "-n", "two", "train.py"],
+        ["run", "--local", "--master", "yarn", "train.py"],
+        ["run", "--timeout", "-1", "train.py"],
+        ["run", "--mode", "horovod", "train.py"],
+        ["run"],
+        [],
+    ],
+)
+def test_usage_errors_exit_2_with_argparse_message(in_tmp, argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_config_error_is_printed_and_exits_2(in_tmp, capsys):
+    assert main(["run", "--conf", "a=b", "train.py"]) == 2
+    assert capsys.readouterr().err.startswith("sparkdist: error: --conf sets the Spark conf")
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["doctor"]])
+def test_every_command_has_help_with_examples(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    assert "examples:" in capsys.readouterr().out
+
+
+def _failed(exit_code: int | None) -> WorkerFailedError:
+    failure = RankFailure(rank=1, host="h", exit_code=exit_code, exc_type="", message="died")
+    return WorkerFailedError({1: failure}, failure)
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (_failed(3), 3),
+        (_failed(1), 1),
+        (_failed(-9), 137),
+        (_failed(-15), 143),
+        (_failed(None), 1),
+        (_failed(0), 1),
+        (RunTimeoutError("slow"), 124),
+        (ConfigError("bad"), 2),
+        (ClusterError("small"), 1),
+    ],
+)
+def test_exit_code_of(error, code):
+    assert exit_code_of(error) == code
