@@ -41,18 +41,16 @@ from sparkdist._env import (
 )
 from sparkdist._errors import RankFailure
 from sparkdist._gpus import gpu_type_mismatch, gpus_at
+from sparkdist._lines import read_lines
+from sparkdist._outbox import Outbox
 from sparkdist._partition import partition_path, write_partition
 from sparkdist._payload import Outcome
 from sparkdist._pool import RankProcess, start_rank
 
 logger = logging.getLogger("sparkdist")
 
-#: A line longer than this is cut into pieces of this size.
-MAX_LINE_BYTES = 64 * 1024
 #: Lines kept per rank for the failure report.
 LAST_LINES = 30
-#: Output lines buffered for the driver before new ones are dropped (and counted).
-OUTBOX_CAPACITY = 10_000
 #: How long a finished agent waits for its buffered output to reach the driver.
 FLUSH_TIMEOUT_S = 5.0
 #: How long a hung rank gets to print its stack dump before it is killed.
@@ -103,71 +101,6 @@ class AgentSpec:
     gpu_type: str | None = None
     deepspeed_config_json: str | None = None
     heartbeat_timeout_s: float | None = None
-
-
-class _Outbox:
-    """Messages for the driver, sent by one thread so nothing else ever blocks on the socket.
-
-    Control messages are never dropped; output lines are dropped (and counted) when the driver
-    falls behind, so a slow or vanished driver never stalls training.
-    """
-
-    def __init__(self, client: ChannelClient | None) -> None:
-        self._client = client
-        self._control: collections.deque[Message] = collections.deque()
-        self._lines: collections.deque[Message] = collections.deque()
-        self._cond = threading.Condition()
-        self._closing = False
-        self._final: Message | None = None
-        self.dropped = 0
-        self._thread = threading.Thread(target=self._send_loop, name="sparkdist-outbox", daemon=True)
-        self._thread.start()
-
-    def control(self, message: Message) -> None:
-        with self._cond:
-            self._control.append(message)
-            self._cond.notify()
-
-    def line(self, message: Message) -> None:
-        with self._cond:
-            if len(self._lines) >= OUTBOX_CAPACITY or self._client is None:
-                self.dropped += 1
-                return
-            self._lines.append(message)
-            self._cond.notify()
-
-    def close(self, timeout_s: float, final: Message | None = None) -> None:
-        """Send what is queued (within ``timeout_s``), then ``final`` with the drop count."""
-        with self._cond:
-            if not self._closing and final is not None:
-                self._final = final
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout=timeout_s)
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._control or self._lines or self._closing):
-                    self._cond.wait()
-                if self._control:
-                    message = self._control.popleft()
-                elif self._lines:
-                    message = self._lines.popleft()
-                elif self._final is not None:
-                    message, self._final = {**self._final, "dropped": self.dropped}, None
-                else:
-                    return
-            if self._client is None:
-                continue
-            try:
-                self._client.send(message)
-            except (ChannelClosed, OSError, ValueError):
-                with self._cond:
-                    self.dropped += len(self._lines) + (message.get("t") == "log")
-                    self._lines.clear()
-                    self._control.clear()
-                    self._client = None
 
 
 class _Worker:
@@ -246,7 +179,7 @@ class _Agent:
         self.expects_data = expects_data
         self.spawned = threading.Event()  # the workers exist and the outbox is open
         self.run_dir = ""
-        self.outbox: _Outbox | None = None
+        self.outbox: Outbox | None = None
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.workers: dict[int, _Worker] = {}
         self.master_port: int | None = None
@@ -259,7 +192,7 @@ class _Agent:
             prefix=f"sparkdist-{self.spec.run_id}-{self.spec.node_rank}-"
         )
         client: ChannelClient | None = None
-        outbox: _Outbox | None = None
+        outbox: Outbox | None = None
         try:
             job_file = os.path.join(run_dir, "job.pkl")
             with open(job_file, "wb") as f:
@@ -281,7 +214,7 @@ class _Agent:
             except (OSError, ChannelClosed) as exc:
                 # Without the driver there is no rendezvous: end every rank now and say why.
                 self._abort(f"cannot reach the driver's control channel: {exc}")
-            outbox = _Outbox(client)
+            outbox = Outbox(client)
             outbox.control({"t": "hello", "node": self.spec.node_rank, "host": self.spec.host})
             self._start_threads(outbox)
             self.outbox = outbox
@@ -367,7 +300,7 @@ class _Agent:
             worker = _Worker(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
             self.workers[seat.rank] = worker
 
-    def _start_threads(self, outbox: _Outbox) -> None:
+    def _start_threads(self, outbox: Outbox) -> None:
         for worker in self.workers.values():
             targets: list[tuple[Any, tuple[Any, ...]]] = [
                 (self._forward, (worker, worker.proc.stdout, "stdout", outbox)),
@@ -382,37 +315,13 @@ class _Agent:
 
     # -- threads --------------------------------------------------------------------------
 
-    def _forward(self, worker: _Worker, pipe: IO[bytes], stream: str, outbox: _Outbox) -> None:
+    def _forward(self, worker: _Worker, pipe: IO[bytes], stream: str, outbox: Outbox) -> None:
         rank = worker.seat.rank
-        pending = b""
-        fd = pipe.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                break
-            pending += chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
-            *lines, pending = pending.split(b"\n")
-            while len(pending) > MAX_LINE_BYTES:
-                lines.append(pending[:MAX_LINE_BYTES])
-                pending = pending[MAX_LINE_BYTES:]
-            for raw in lines:
-                self._emit(worker, raw, stream, outbox, rank)
-        if pending:
-            self._emit(worker, pending, stream, outbox, rank)
-        pipe.close()
-
-    def _emit(self, worker: _Worker, raw: bytes, stream: str, outbox: _Outbox, rank: int) -> None:
-        for start in range(0, max(len(raw), 1), MAX_LINE_BYTES):
-            text = raw[start : start + MAX_LINE_BYTES].decode("utf-8", errors="replace")
-            if not text and raw:
-                continue
+        for text in read_lines(pipe):
             worker.last_lines.append(text)
             outbox.line({"t": "log", "rank": rank, "stream": stream, "line": text})
 
-    def _read_notes(self, worker: _Worker, outbox: _Outbox) -> None:
+    def _read_notes(self, worker: _Worker, outbox: Outbox) -> None:
         notes = worker.notes
         rank = worker.seat.rank
         for raw in notes:
@@ -451,7 +360,7 @@ class _Agent:
 
     # -- watching -------------------------------------------------------------------------
 
-    def _watch(self, outbox: _Outbox) -> None:
+    def _watch(self, outbox: Outbox) -> None:
         running = set(self.workers)
         while running:
             try:
@@ -489,7 +398,7 @@ class _Agent:
             return min(timeout, 1.0)  # nobody joined yet: look again soon
         return max(0.0, min(beats) + timeout - time.monotonic())
 
-    def _check_heartbeats(self, outbox: _Outbox) -> None:
+    def _check_heartbeats(self, outbox: Outbox) -> None:
         """Declare silent ranks hung: dump their stacks into their output, report, stop."""
         timeout = self.spec.heartbeat_timeout_s
         if timeout is None or self.aborting:
@@ -572,7 +481,8 @@ class _Agent:
                 f"(heartbeat_timeout_s={self.spec.heartbeat_timeout_s}); its stack is in its "
                 "last output lines"
             )
-        elif worker.killed and self.aborting:
+        elif worker.killed and self.aborting and code == -signal.SIGKILL:
+            # Our SIGKILL, not its own death (it may have exited just before we sent it).
             message = f"stopped by sparkdist: {self.abort_reason}"
         return RankFailure(
             rank=worker.seat.rank,
