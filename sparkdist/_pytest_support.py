@@ -3,8 +3,9 @@
 Four parts, each usable without pytest's hooks: which Spark master a test session uses
 (``resolve_master``), the session's SparkSession (``SparkSessions``: one SparkContext per
 process, reused when one is already active, stopped only if we started it), the processes of
-this session's runs (``rank_processes``, found by a per-session marker every rank inherits), and
-what CUDA this machine offers (``cuda_devices``, decided without importing torch).
+this session's runs (``rank_processes``: a per-session environment marker, which every rank and
+every warm-pool zygote inherits, keeps other sessions' processes out), and what CUDA this
+machine offers (``cuda_devices``, decided without importing torch).
 
 Everything heavy (pyspark, psutil, the launcher) is imported inside the function that needs it:
 pytest imports the plugin in every session of every project installed next to sparkdist.
@@ -151,8 +152,9 @@ class SparkSessions:
 
         # Loopback only: the driver, its block manager and (local-cluster) the executors.
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-        # Not "sparkdist-*": that prefix marks a run's directory.
-        self._log_dir = tempfile.mkdtemp(prefix="sparkdist_pytest-log4j2-")
+        if self._log_dir is None:
+            # Not "sparkdist-*": that prefix marks a run's directory.
+            self._log_dir = tempfile.mkdtemp(prefix="sparkdist_pytest-log4j2-")
         log_conf = os.path.join(self._log_dir, "log4j2.properties")
         with open(log_conf, "w", encoding="utf-8") as f:
             f.write(_QUIET_LOG4J2)
@@ -167,9 +169,10 @@ class SparkSessions:
             "spark.sql.shuffle.partitions": "2",
             "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
         }
-        if self.master.startswith("local-cluster"):
+        cluster = re.fullmatch(r"local-cluster\[\s*\d+\s*,\s*\d+\s*,\s*(\d+)\s*\]", self.master)
+        if cluster is not None:
             # Each worker of local-cluster[n,cores,MB] offers MB; an executor must fit in it.
-            conf["spark.executor.memory"] = "768m"
+            conf["spark.executor.memory"] = f"{int(cluster.group(1)) * 3 // 4}m"
         conf.update(self.extra_conf)
         builder = SparkSession.builder.master(self.master)
         for key, value in conf.items():

@@ -165,8 +165,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     state = config.stash[_STATE]
     if state.mode == "local" and state.requested_master is None:
         return None
-    return (f"sparkdist: distributed runs in {state.mode} mode, Spark master "
-            f"{state.requested_master or 'auto'}")
+    master = state.requested_master or (
+        f"{support.DEFAULT_MASTER} ({support.CLUSTER_MASTER} with spark_cluster tests)")
+    return f"sparkdist: distributed runs in {state.mode} mode, Spark master {master}"
 
 
 @pytest.hookimpl(trylast=True)
@@ -260,6 +261,9 @@ def distributed_fixture(
     node = request.node
     gpu_marked = node.get_closest_marker("gpu") is not None
     multi = node.get_closest_marker("multi_gpu")
+    spark_mode = state.mode == "spark" or node.get_closest_marker("spark_cluster") is not None
+    if spark_mode:
+        request.getfixturevalue("spark")  # start Spark in the set-up, not inside a run's time
     runners: list[DistributedRunner] = []
 
     def make(
@@ -273,8 +277,7 @@ def distributed_fixture(
         if n is None:
             n = support.gpu_marker_count(multi.args, multi.kwargs) if multi else 2
         if local_mode is None:
-            local_mode = (state.mode == "local"
-                          and node.get_closest_marker("spark_cluster") is None)
+            local_mode = not spark_mode
         runner = DistributedRunner(
             n,
             local_mode=local_mode,

@@ -22,7 +22,7 @@ from sparkdist import WorkerFailedError
 
 # examples/ is a folder of scripts, not a package; a real project imports its own package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mlp_ddp import train  # noqa: E402
+from mlp_ddp import train
 
 SMALL = {"samples": 256, "batch_size": 32, "lr": 1e-2, "hidden": 16}
 
