@@ -17,6 +17,7 @@ Non-goals: deciding placement or environment (``_placement``, ``_env``), touchin
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -26,12 +27,13 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from sparkdist import _worker
 from sparkdist._channel import ChannelClient, ChannelClosed, Message
+from sparkdist._detached import DetachedFailure, DetachedRendezvous
 from sparkdist._env import (
     DEEPSPEED_CONFIG_VAR,
     PARTITION_FILE_VAR,
@@ -53,6 +55,10 @@ logger = logging.getLogger("sparkdist")
 LAST_LINES = 30
 #: How long a finished agent waits for its buffered output to reach the driver.
 FLUSH_TIMEOUT_S = 5.0
+#: Output lines a detached node keeps to return with its outcomes (the latest ones).
+KEPT_LINES = 20_000
+#: How long an exited rank's output may still be drained.
+OUTPUT_DRAIN_S = 1.0
 #: How long a hung rank gets to print its stack dump before it is killed.
 STACK_DUMP_GRACE_S = 0.5
 
@@ -143,14 +149,21 @@ class _Worker:
             pass
 
 
-def run_agent(spec: AgentSpec, batches: Iterator[Any] | None = None) -> list[Outcome]:
+def run_agent(
+    spec: AgentSpec,
+    batches: Iterator[Any] | None = None,
+    all_gather: Callable[[str], list[str]] | None = None,
+) -> list[Outcome]:
     """Run this node's ranks to the end and return one Outcome per rank, in rank order.
 
     With ``batches`` (this task's share of a DataFrame, as Arrow record batches), they are
     written to one file per rank on this thread, while the ranks start, and the row counts
     go to the driver, which holds the rendezvous until every rank's count is in.
+
+    With ``all_gather`` (a barrier task's), a node that cannot reach the driver's control
+    channel runs detached (see ``_detached``) instead of failing.
     """
-    agent = _Agent(spec, expects_data=batches is not None)
+    agent = _Agent(spec, expects_data=batches is not None, all_gather=all_gather)
     if batches is None:
         return agent.run()
     result: list[list[Outcome]] = []
@@ -174,9 +187,16 @@ def run_agent(spec: AgentSpec, batches: Iterator[Any] | None = None) -> list[Out
 
 
 class _Agent:
-    def __init__(self, spec: AgentSpec, expects_data: bool = False) -> None:
+    def __init__(
+        self,
+        spec: AgentSpec,
+        expects_data: bool = False,
+        all_gather: Callable[[str], list[str]] | None = None,
+    ) -> None:
         self.spec = spec
         self.expects_data = expects_data
+        self.all_gather = all_gather
+        self.detached: DetachedRendezvous | None = None
         self.spawned = threading.Event()  # the workers exist and the outbox is open
         self.run_dir = ""
         self.outbox: Outbox | None = None
@@ -204,25 +224,20 @@ class _Agent:
                 return []
             # Spawn first: the workers' interpreter start-up overlaps with our handshake.
             self._spawn_all(run_dir, job_file)
-            try:
-                client = ChannelClient(
-                    self.spec.channel_address,
-                    self.spec.secret,
-                    on_message=self._on_driver_message,
-                    on_close=lambda: self.events.put(("driver_gone", None)),
-                )
-            except (OSError, ChannelClosed) as exc:
-                # Without the driver there is no rendezvous: end every rank now and say why.
-                self._abort(f"cannot reach the driver's control channel: {exc}")
-            outbox = Outbox(client)
+            client = self._connect()
+            outbox = Outbox(client, keep_lines=KEPT_LINES if self.detached else 0)
             outbox.control({"t": "hello", "node": self.spec.node_rank, "host": self.spec.host})
             self._start_threads(outbox)
             self.outbox = outbox
             self.spawned.set()
+            if self.detached is not None:
+                self.detached.start()
             self._watch(outbox)
             outcomes = [self._outcome_of(w, run_dir) for w in self.workers.values()]
             # "bye" goes after the last output line: the driver knows the output is complete.
             outbox.close(FLUSH_TIMEOUT_S, final={"t": "bye", "node": self.spec.node_rank})
+            if self.detached is not None:
+                return self._detached_outcomes(outcomes, outbox)
             return outcomes
         finally:
             for worker in self.workers.values():
@@ -234,6 +249,56 @@ class _Agent:
                 client.close()
                 client.join(FLUSH_TIMEOUT_S)
             shutil.rmtree(run_dir, ignore_errors=True)
+
+    def _connect(self) -> ChannelClient | None:
+        """The driver's channel; failing that, detached mode (barrier tasks) or an abort."""
+        address = self.spec.channel_address
+        if address[1]:
+            try:
+                return ChannelClient(
+                    address,
+                    self.spec.secret,
+                    on_message=self._on_driver_message,
+                    on_close=lambda: self.events.put(("driver_gone", None)),
+                )
+            except (OSError, ChannelClosed) as exc:
+                problem = f"cannot reach the driver's control channel at {address}: {exc}"
+        else:
+            problem = "the control channel is turned off"
+        if self.all_gather is None:
+            self._abort(problem)  # no other way to rendezvous: end every rank now, say why
+            return None
+        logger.warning("sparkdist: %s; rendezvous through Spark's allGather instead", problem)
+        self.detached = DetachedRendezvous(
+            self.all_gather, self.spec.node_rank,
+            self.spec.num_nodes * self.spec.processes_per_node, self.expects_data,
+            deliver=self._on_driver_message,
+            fail=lambda reason: self.events.put(("abort", reason)),
+        )
+        return None
+
+    def _send_control(self, outbox: Outbox, message: Message) -> None:
+        """To the driver; a detached node keeps what its rendezvous needs instead."""
+        if self.detached is None:
+            outbox.control(message)
+        elif message["t"] == "store":
+            self.detached.on_store(int(message["port"]))
+        elif message["t"] == "rows":
+            self.detached.on_rows(message["counts"])
+
+    def _detached_outcomes(self, outcomes: list[Outcome], outbox: Outbox) -> list[Outcome]:
+        """Attach the kept output; raise the ranks' own failures so Spark stops the stage."""
+        kept: dict[int, list[tuple[str, str]]] = {}
+        for message in outbox.kept:
+            kept.setdefault(int(message["rank"]), []).append(
+                (str(message["stream"]), str(message["line"])))
+        failures = sorted(
+            (o for o in outcomes if o.failure is not None and not o.aborted),
+            key=lambda o: o.ended_at,
+        )
+        if failures:
+            raise DetachedFailure([o.failure for o in failures if o.failure is not None])
+        return [dataclasses.replace(o, output=tuple(kept.get(o.rank, ()))) for o in outcomes]
 
     def _check_gpu_type(self) -> str | None:
         if self.spec.gpu_type is None:
@@ -254,7 +319,8 @@ class _Agent:
         except BaseException as exc:
             self.events.put(("abort", f"reading the DataFrame failed: {exc!r}"))
             raise
-        self.outbox.control({"t": "rows", "counts": {str(r): n for r, n in counts.items()}})
+        self._send_control(
+            self.outbox, {"t": "rows", "counts": {str(r): n for r, n in counts.items()}})
 
     # -- spawning -------------------------------------------------------------------------
 
@@ -331,7 +397,7 @@ class _Agent:
                 continue
             kind = note.get("t")
             if kind == "store":
-                outbox.control({"t": "store", "port": int(note["port"])})
+                self._send_control(outbox, {"t": "store", "port": int(note["port"])})
             elif kind in ("ready", "beat", "report"):
                 worker.last_beat, worker.last_beat_wall = time.monotonic(), time.time()
                 if kind == "ready":
@@ -382,7 +448,7 @@ class _Agent:
                     self._abort(f"rank {worker.seat.rank} failed")
             elif kind == "abort":
                 self._abort(str(payload))
-            elif kind == "driver_gone" and self.master_port is None:
+            elif kind == "driver_gone" and self.master_port is None and not self.detached:
                 # Before the rendezvous the run cannot go on without the driver.
                 self._abort("the driver's control channel closed before the rendezvous")
 
@@ -436,8 +502,11 @@ class _Agent:
     # -- outcomes -------------------------------------------------------------------------
 
     def _outcome_of(self, worker: _Worker, run_dir: str) -> Outcome:
+        # The rank is gone; its output pipes reach end of file unless something it started in
+        # another session still holds them: drain briefly, never wait on such a stray.
+        deadline = time.monotonic() + OUTPUT_DRAIN_S
         for thread in worker.threads:
-            thread.join(timeout=FLUSH_TIMEOUT_S)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         seat, code = worker.seat, worker.proc.returncode
         wall = (worker.ended or time.monotonic()) - worker.started
         value_file = _worker.value_path(run_dir, seat.rank)

@@ -51,14 +51,26 @@ def find_java(environ: Mapping[str, str]) -> str | None:
 
 
 def java_version_text(java: str) -> str:
-    """The first line ``java -version`` prints (to stderr), or "" when it does not run."""
+    """The version line ``java -version`` prints (to stderr), or "" when it does not run."""
     try:
         done = subprocess.run(
             [java, "-version"], capture_output=True, text=True, timeout=30, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return ""
-    lines = (done.stderr or done.stdout).strip().splitlines()
+    return version_line(done.stderr or done.stdout)
+
+
+def version_line(output: str) -> str:
+    """The line of ``java -version`` output that names the version.
+
+    It is not always the first: with JAVA_TOOL_OPTIONS or JDK_JAVA_OPTIONS set, java first
+    prints "Picked up ...".
+    """
+    lines = output.strip().splitlines()
+    for line in lines:
+        if 'version "' in line:
+            return line
     return lines[0] if lines else ""
 
 

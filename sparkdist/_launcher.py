@@ -53,6 +53,10 @@ from sparkdist._tracking import RunTracker
 
 logger = logging.getLogger("sparkdist")
 
+#: ``off`` makes barrier tasks rendezvous through Spark's allGather instead of this process's
+#: control channel (for executors that cannot reach it); output then arrives at the end.
+CONTROL_CHANNEL_VAR = "SPARKDIST_CONTROL_CHANNEL"
+
 
 class Launch:
     """A started run: wait for it, poll it, or cancel it (which stops every rank)."""
@@ -156,7 +160,7 @@ class Launch:
         monitor.server = server
         template = dataclasses.replace(
             self._template,
-            channel_address=(self._driver_host, server.port),
+            channel_address=(self._driver_host, self._channel_port(server)),
             secret=secret,
             restart_count=restart_count,
         )
@@ -169,6 +173,12 @@ class Launch:
             server.close()
             raise
         return _Attempt(monitor, server, submission)
+
+    def _channel_port(self, server: ChannelServer) -> int:
+        """The channel's port for the agents; 0 tells them to run detached (Spark mode only)
+        when ``SPARKDIST_CONTROL_CHANNEL=off`` says executors cannot reach this process."""
+        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
+        return 0 if off and not self.config.local_mode else server.port
 
     def _supervise(self) -> None:
         earlier: list[RankFailure] = []

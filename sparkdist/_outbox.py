@@ -19,8 +19,12 @@ OUTBOX_CAPACITY = 10_000
 class Outbox:
     """Messages for the driver; see the module docstring."""
 
-    def __init__(self, client: ChannelClient | None) -> None:
+    def __init__(self, client: ChannelClient | None, keep_lines: int = 0) -> None:
         self._client = client
+        # Without a driver to send to (a detached node), up to keep_lines lines are kept here
+        # and travel back with the outcomes instead.
+        self.kept: collections.deque[Message] = collections.deque()
+        self._keep_lines = keep_lines
         self._control: collections.deque[Message] = collections.deque()
         self._lines: collections.deque[Message] = collections.deque()
         self._cond = threading.Condition()
@@ -37,6 +41,12 @@ class Outbox:
 
     def line(self, message: Message) -> None:
         with self._cond:
+            if self._client is None and self._keep_lines:
+                if len(self.kept) >= self._keep_lines:
+                    self.kept.popleft()  # keep the latest lines: the end is what explains
+                    self.dropped += 1
+                self.kept.append(message)
+                return
             if len(self._lines) >= OUTBOX_CAPACITY or self._client is None:
                 self.dropped += 1
                 return

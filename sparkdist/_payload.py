@@ -77,6 +77,8 @@ class Outcome:
         aborted: True when sparkdist killed it because the run was ending.
         ended_at: wall-clock time (time.time()) its agent saw it exit; orders failures when
             the driver did not hear of them as they happened.
+        output: (stream, line) pairs kept by a node that could not stream them to the driver
+            (detached from its control channel); empty otherwise.
     """
 
     rank: int
@@ -87,6 +89,7 @@ class Outcome:
     failure: RankFailure | None = None
     aborted: bool = False
     ended_at: float = 0.0
+    output: tuple[tuple[str, str], ...] = ()
 
 
 # Pickling functions by value is process-global state in cloudpickle; runs started from two

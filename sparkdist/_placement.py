@@ -159,6 +159,38 @@ def check_barrier_slots(needed: int, found: int, master: str) -> None:
         )
 
 
+def estimate_barrier_slots(conf: Mapping[str, str]) -> int | None:
+    """Barrier slots the conf implies, or None when it does not say (Spark Connect exposes no
+    executor list, so this is all a Connect client can know before submitting)."""
+    master = conf.get("spark.master", "")
+    task_cpus = _positive_int(conf.get("spark.task.cpus")) or 1
+    local = re.fullmatch(r"local(?:\[(\d+)(?:,\s*\d+)?\])?", master)
+    if local:
+        return (int(local.group(1)) if local.group(1) else 1) // task_cpus
+    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
+    if cluster:
+        executors, cores = int(cluster.group(1)), int(cluster.group(2))
+    else:
+        executors = _positive_int(conf.get("spark.executor.instances"))
+        cores = _positive_int(conf.get("spark.executor.cores"))
+        if executors is None or cores is None:
+            return None
+    per_executor = cores // task_cpus
+    task_gpus = _positive_int(conf.get(TASK_GPU_KEY))
+    executor_gpus = _positive_int(conf.get("spark.executor.resource.gpu.amount"))
+    if task_gpus and executor_gpus:
+        per_executor = min(per_executor, executor_gpus // task_gpus)
+    return executors * per_executor
+
+
+def _positive_int(value: str | None) -> int | None:
+    try:
+        number = int(float(value)) if value is not None else 0
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
 def cuda_visible_devices(addresses: Sequence[str], inherited: str | None) -> str:
     """The CUDA_VISIBLE_DEVICES value for Spark-assigned GPU addresses.
 

@@ -1,27 +1,23 @@
-"""Everything that talks to Spark: conf, slots, session creation, and the barrier stage itself.
+"""The driver's questions to Spark: which session, its conf, its slots, where the driver is.
 
-This is the only module that touches ``BarrierTaskContext``. A barrier task reads its partition
-id (its node rank), the address of task 0 (``MASTER_ADDR``, from ``getTaskInfos()``, which costs
-no barrier sync) and its GPU addresses, then runs the same agent as local mode and yields one
-pickled Outcome per rank; Spark's collect brings them back to the driver.
+Both session kinds are served: a classic SparkSession (with a SparkContext) and a Spark Connect
+session (a client of a remote Spark driver: no SparkContext, conf read key by key, no slot
+count — it is estimated from the conf where the conf says enough).
 
-Non-goals: deciding placement (``_placement``); Spark Connect sessions (not yet supported).
+Non-goals: the barrier stage itself (``_stage``); deciding placement (``_placement``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
+import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
-from sparkdist._agent import AgentSpec, run_agent
-from sparkdist._errors import ClusterError, ConfigError
-from sparkdist._placement import check_barrier_slots, cuda_visible_devices
+from sparkdist._errors import ConfigError
+from sparkdist._placement import check_barrier_slots, estimate_barrier_slots
 
 logger = logging.getLogger("sparkdist")
 
@@ -30,14 +26,17 @@ SLOT_WAIT_S = 20.0
 
 
 def active_session() -> Any | None:
-    """The active classic SparkSession, or None (pyspark not installed counts as None)."""
+    """The active SparkSession (classic or Connect), or None; no pyspark counts as None."""
     try:
         from pyspark.sql import SparkSession
     except ImportError:
         return None
-    session = SparkSession.getActiveSession()
-    _refuse_connect(session)
-    return session
+    return SparkSession.getActiveSession()
+
+
+def is_connect(session: Any) -> bool:
+    """Whether ``session`` is a Spark Connect client session."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
 
 
 def get_or_create_session() -> Any:
@@ -64,30 +63,32 @@ def get_or_create_session() -> Any:
     return session
 
 
-def _refuse_connect(session: Any) -> None:
-    if session is not None and not hasattr(session, "sparkContext"):
-        raise ConfigError(
-            "this is a Spark Connect session, which sparkdist cannot launch on yet; use a "
-            "classic SparkSession, or local_mode=True to train on this machine"
-        )
-    if session is not None:
-        try:
-            session.sparkContext  # noqa: B018 - raises on Connect sessions of pyspark >= 4
-        except Exception as exc:
-            raise ConfigError(
-                "this is a Spark Connect session, which sparkdist cannot launch on yet; use a "
-                "classic SparkSession, or local_mode=True to train on this machine"
-            ) from exc
+#: Conf keys sparkdist reads; a Connect session is asked for each (no getAll there).
+CONF_KEYS = (
+    "spark.master", "spark.task.resource.gpu.amount", "spark.task.cpus",
+    "spark.dynamicAllocation.enabled", "spark.ssl.enabled", "spark.authenticate",
+    "spark.executor.instances", "spark.executor.cores", "spark.executor.resource.gpu.amount",
+    "spark.driver.host", "pytorch.spark.distributor.ignoreSsl",
+    "deepspeed.spark.distributor.ignoreSsl",
+)
 
 
 def spark_conf(session: Any) -> dict[str, str]:
-    """The session's Spark conf as plain strings."""
-    return {str(k): str(v) for k, v in session.sparkContext.getConf().getAll()}
+    """The session's Spark conf as plain strings (on Connect: the keys sparkdist reads)."""
+    if not is_connect(session):
+        return {str(k): str(v) for k, v in session.sparkContext.getConf().getAll()}
+    conf = {}
+    for key in CONF_KEYS:
+        value = session.conf.get(key, None)
+        if value is not None:
+            conf[key] = str(value)
+    return conf
 
 
 def driver_gpu_addresses(session: Any | None) -> list[str] | None:
-    """GPU addresses Spark assigned to the driver, or None when Spark assigned none."""
-    if session is None:
+    """GPU addresses Spark assigned to the driver, or None when Spark assigned none (always
+    None on Connect: its driver is not this process)."""
+    if session is None or is_connect(session):
         return None
     resources = session.sparkContext.resources
     gpu = resources.get("gpu")
@@ -95,8 +96,21 @@ def driver_gpu_addresses(session: Any | None) -> list[str] | None:
 
 
 def driver_host(session: Any) -> str:
-    """The address executors reach the driver at."""
-    return str(session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
+    """The address executors reach this process at, for the control channel.
+
+    Classic: Spark's own driver address. Connect: this client process is not Spark's driver;
+    ``SPARKDIST_DRIVER_HOST`` (or ``SPARK_LOCAL_IP``) says which address to use, else this
+    host's address. Executors that cannot reach it fall back to Spark's allGather.
+    """
+    if not is_connect(session):
+        return str(session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
+    chosen = os.environ.get("SPARKDIST_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
+    if chosen:
+        return chosen
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
 
 
 def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = None) -> int:
@@ -105,6 +119,12 @@ def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = Non
     Executors register after the session starts (local-cluster, standalone), so a too-small
     count is re-read for a few seconds before it is final; Spark's own check would wait minutes.
     """
+    if is_connect(session):
+        # Connect exposes no executor list: estimate from the conf, else let Spark check.
+        found = estimate_barrier_slots(spark_conf(session))
+        if found is not None:
+            check_barrier_slots(needed, found, spark_conf(session).get("spark.master", "?"))
+        return needed if found is None else found
     jsc = session.sparkContext._jsc.sc()
     deadline = time.monotonic() + (SLOT_WAIT_S if wait_s is None else wait_s)
     while True:
@@ -119,87 +139,3 @@ def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = Non
         time.sleep(0.1)  # executors register asynchronously; there is no event to wait on
     check_barrier_slots(needed, found, jsc.master())
     return found
-
-
-class BarrierStage:
-    """One submitted barrier stage, cancellable from another thread.
-
-    Without a DataFrame it is ``parallelize(range(num_tasks)).barrier().mapPartitions``; with
-    one it is ``df.mapInArrow(..., barrier=True)`` over the DataFrame repartitioned to one
-    partition per task (the shuffle is part of the same job), each task streaming its rows
-    to its ranks' files.
-    """
-
-    def __init__(
-        self, session: Any, template: AgentSpec, num_tasks: int, use_gpu: bool,
-        dataframe: Any | None = None,
-    ) -> None:
-        self._session = session
-        self._template = template
-        self._num_tasks = num_tasks
-        self._use_gpu = use_gpu
-        self._dataframe = dataframe
-        self.job_group = f"sparkdist-{template.run_id}"
-        self._cancelled = threading.Event()
-
-    def collect(self) -> list[bytes]:
-        """Run the stage on this thread and return every rank's pickled Outcome."""
-        sc = self._session.sparkContext
-        sc.setJobGroup(self.job_group, f"sparkdist run {self._template.run_id}", True)
-        template, use_gpu = self._template, self._use_gpu
-
-        def task(_: Iterator[Any]) -> Iterator[bytes]:
-            return _barrier_task(template, use_gpu)
-
-        def arrow_task(batches: Iterator[Any]) -> Iterator[Any]:
-            import pyarrow as pa
-
-            for outcome in _barrier_task(template, use_gpu, batches):
-                yield pa.RecordBatch.from_pydict({"outcome": [outcome]})
-
-        try:
-            if self._dataframe is not None:
-                # Always repartition (round-robin, in the same job): the number of partitions
-                # the optimizer ends up with can differ from what df.rdd reports, and the
-                # barrier stage needs exactly one per task.
-                frame = self._dataframe.repartition(self._num_tasks)
-                rows = frame.mapInArrow(arrow_task, "outcome binary", barrier=True).collect()
-                return [bytes(row.outcome) for row in rows]
-            rdd = sc.parallelize(range(self._num_tasks), self._num_tasks)
-            return list(rdd.barrier().mapPartitions(task).collect())
-        finally:
-            sc.setLocalProperty("spark.jobGroup.id", None)
-
-    def cancel(self) -> None:
-        """Cancel the stage's tasks (their agents then end their workers)."""
-        if not self._cancelled.is_set():
-            self._cancelled.set()
-            self._session.sparkContext.cancelJobGroup(self.job_group)
-
-
-def _barrier_task(
-    template: AgentSpec, use_gpu: bool, batches: Iterator[Any] | None = None
-) -> Iterator[bytes]:
-    import cloudpickle
-    from pyspark import BarrierTaskContext
-
-    context = BarrierTaskContext.get()
-    node_rank = context.partitionId()
-    hosts = [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
-    gpus = None
-    if use_gpu:
-        resource = context.resources().get("gpu")
-        if resource is None or not resource.addresses:
-            raise ClusterError(
-                f"barrier task {node_rank} on {hosts[node_rank]} got no GPU from Spark; set "
-                "spark.executor.resource.gpu.amount and a discovery script on the executors"
-            )
-        gpus = cuda_visible_devices(
-            list(resource.addresses), os.environ.get("CUDA_VISIBLE_DEVICES")
-        )
-    spec = dataclasses.replace(
-        template, node_rank=node_rank, master_addr=hosts[0], host=hosts[node_rank],
-        gpu_addresses=gpus,
-    )
-    for outcome in run_agent(spec, batches):
-        yield cloudpickle.dumps(outcome)

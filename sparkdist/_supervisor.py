@@ -21,10 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sparkdist import _spark
 from sparkdist._agent import AgentSpec, run_agent
 from sparkdist._channel import ChannelServer, Message, Peer
 from sparkdist._config import LaunchConfig
+from sparkdist._detached import failures_in
 from sparkdist._env import ROWS_PER_RANK_VAR
 from sparkdist._errors import (
     ClusterError,
@@ -37,6 +37,7 @@ from sparkdist._errors import (
 from sparkdist._payload import Outcome, loads
 from sparkdist._placement import Placement
 from sparkdist._result import RunResult
+from sparkdist._stage import BarrierStage
 
 logger = logging.getLogger("sparkdist")
 
@@ -253,7 +254,7 @@ class Submission:
         else:
             if dataframe is not None:
                 monitor.expect_rows()
-            self._stage = _spark.BarrierStage(
+            self._stage = BarrierStage(
                 session, template, placement.num_tasks, placement.use_gpu, dataframe
             )
             stage = self._stage
@@ -305,7 +306,10 @@ def supervise(
                     f"the run exceeded timeout_s={config.timeout_s}; every rank was "
                     "stopped. Raise timeout_s, or pass timeout_s=None for no limit"
                 ))
-            if len(monitor.joined) < monitor.world_size and now >= start_deadline:
+            # Only nodes that reached the channel can be waited for: detached nodes (no hello)
+            # enforce the start-up deadline in their ranks themselves.
+            if (monitor.node_hosts and len(monitor.joined) < monitor.world_size
+                    and now >= start_deadline):
                 missing = sorted(set(range(monitor.world_size)) - monitor.joined)
                 raise _stop(submission, monitor, RendezvousError(
                     f"rank(s) {_ranks(missing)} did not join the run within "
@@ -318,7 +322,7 @@ def supervise(
                 submission.cancel()
                 failure_deadline = now + ABORT_GRACE_S
             deadlines = [d for d in (run_deadline, failure_deadline) if d is not None]
-            if len(monitor.joined) < monitor.world_size:
+            if monitor.node_hosts and len(monitor.joined) < monitor.world_size:
                 deadlines.append(start_deadline)
             monitor.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
     with monitor.changed:
@@ -358,6 +362,13 @@ def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
     """The Spark stage itself failed (an executor died, a task raised before its agent ran)."""
     if isinstance(error, (ClusterError, WorkerFailedError)):
         return error
+    detached = {f.rank: f for f in failures_in(str(error))}
+    if detached:  # ranks of a node cut off from the channel failed; their task said how
+        root = detached[next(iter(detached))]
+        causes = [f for f in detached.values() if not _is_peer_loss(f)]
+        failed = WorkerFailedError(detached, causes[0] if causes else root)
+        failed.__cause__ = error
+        return failed
     summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     failures = {
         rank: RankFailure(
@@ -409,6 +420,9 @@ def result_of(
             )
         raise _failure_error(failures, monitor, by_rank)
     ordered = [by_rank[r] for r in range(placement.world_size)]
+    for outcome in ordered:  # output a detached node kept: now, in rank order
+        for stream, line in outcome.output:
+            _print_rank_line({"rank": outcome.rank, "stream": stream, "line": line})
     return RunResult(
         values=[loads(o.value_bytes) if o.value_bytes is not None else None for o in ordered],
         wall_times_s=[o.wall_time_s for o in ordered],

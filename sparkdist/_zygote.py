@@ -28,6 +28,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -70,10 +71,9 @@ def main() -> None:
         server.serve()
     finally:
         listener.close()
-        try:
-            os.unlink(socket_path)
-        except OSError:
-            pass
+        # The owner may have died without cleaning up (an executor's Python worker is
+        # killed, not stopped): the pool directory is ours to remove.
+        shutil.rmtree(os.path.dirname(socket_path), ignore_errors=True)
 
 
 class _Spare:
