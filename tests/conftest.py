@@ -47,6 +47,12 @@ def spark_session(master: str) -> Any:
     _stop_session()
     from pyspark.sql import SparkSession
 
+    if master.startswith("connect:"):
+        # A local Spark Connect server in this process's JVM; its executors inherit
+        # PYSPARK_PYTHON from this process (Connect cannot set that conf).
+        spark = SparkSession.builder.remote(master.removeprefix("connect:")).getOrCreate()
+        _session.update(master=master, spark=spark)
+        return spark
     builder = (
         SparkSession.builder.master(master)
         .appName("sparkdist-tests")
@@ -97,6 +103,12 @@ def spark_local() -> Any:
 def spark_cluster() -> Any:
     """A local-cluster[2,1,1024] session (two executor JVMs, 2 fake GPUs each)."""
     return spark_session(LOCAL_CLUSTER)
+
+
+@pytest.fixture
+def spark_connect() -> Any:
+    """A Spark Connect session on a local server (local[2]), shared by the test session."""
+    return spark_session("connect:local[2]")
 
 
 @pytest.fixture
