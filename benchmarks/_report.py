@@ -9,7 +9,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -47,7 +47,7 @@ def ratio_records(figures: Sequence[Figure]) -> list[dict[str, Any]]:
 
 
 def machine_record(
-    load_before: Sequence[float], wall_s: float, leftovers: Sequence[str]
+    load_before: Sequence[float], wall_s: float, leftovers: Mapping[str, int]
 ) -> dict[str, Any]:
     """Where and how the figures were taken.
 
@@ -67,7 +67,7 @@ def machine_record(
         "loadavg_1m_before": round(load_before[0], 2),
         "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "wall_s": round(wall_s, 1),
-        "leftover_files": list(leftovers),
+        "leftover_files": dict(leftovers),
         "python": platform.python_version(),
         "platform": sys.platform,
         **versions,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check for sparkdist: the GPU-only tests and both launch-mode examples at small GPU sizes,
-# in under 10 minutes (time limits per step: 270 + 120 + 120 s, plus set-up), with a short report.
+# in under 10 minutes (step limits 240 + 120 + 120 s, plus set-up), with a short report.
 #
 #   bash benchmarks/gpu_check.sh [REPORT_DIR]      # default: $OUT, else ./gpu-check-report
 #
@@ -29,7 +29,10 @@ export PYTHONUNBUFFERED=1
 
 STARTED=$SECONDS
 STEPS=()     # "name|PASS or FAIL|seconds|detail"
-log() { printf '[gpu_check %4ds] %s\n' "$((SECONDS - STARTED))" "$*" | tee -a "$REPORT_DIR/gpu_check.log"; }
+log() {
+    printf '[gpu_check %4ds] %s\n' "$((SECONDS - STARTED))" "$*" \
+        | tee -a "$REPORT_DIR/gpu_check.log"
+}
 
 # -- environment -----------------------------------------------------------------------------
 
@@ -93,10 +96,8 @@ main() {
         nvidia-smi >"$REPORT_DIR/nvidia-smi.txt" 2>&1
         GPU_SUMMARY="$(nvidia-smi --query-gpu=index,name,memory.total,driver_version \
             --format=csv,noheader 2>&1)"
-        GPU_COUNT="$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)"
     else
         GPU_SUMMARY="nvidia-smi not found"
-        GPU_COUNT=0
     fi
     log "GPUs: ${GPU_SUMMARY//$'\n'/; }"
 
@@ -125,16 +126,28 @@ EOF
 )"
     VERSIONS="${VERSIONS##*$'\n'}"  # the last line: deepspeed may log on stdout first
     log "versions: $VERSIONS"
-    if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    if ! "$PY" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
         STEP_RESULT="FAIL"; STEP_SECONDS=0
         record "environment" "torch sees no CUDA device (CPU build of torch, or no GPU)"
         write_report; return 1
     fi
 
-    local processes="${GPU_CHECK_PROCESSES:-$(( GPU_COUNT < 2 ? GPU_COUNT : 2 ))}"
+    # A torch extension build killed half-way leaves its lock, and every later load of that op
+    # (DeepSpeed's) waits on it forever: say so up front instead of timing out without a clue.
+    local locks
+    locks="$(find "${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions}" -name lock 2>/dev/null)"
+    if [[ -n "$locks" ]]; then
+        log "WARNING: torch extension lock(s) left by an interrupted build (delete them if no"
+        log "build is running, or DeepSpeed will wait on them forever): ${locks//$'\n'/ }"
+        STALE_LOCKS="$locks"
+    fi
+
+    # One rank per GPU, at most 2 (what torch sees: nvidia-smi may be missing or masked).
+    local processes="${GPU_CHECK_PROCESSES:-$("$PY" -c \
+        "import torch; print(min(2, torch.cuda.device_count()))" 2>/dev/null)}"
     local steps="${GPU_CHECK_STEPS:-100}"
 
-    run_step "pytest -m gpu" 270 "$REPORT_DIR/pytest.log" \
+    run_step "pytest -m gpu" 240 "$REPORT_DIR/pytest.log" \
         "$PY" -m pytest -m gpu tests -v -rs -p no:cacheprovider \
         --junitxml="$REPORT_DIR/pytest-gpu.xml"
     record "pytest -m gpu" "$(grep -Eo '[0-9]+ (passed|failed|skipped|error)[^=]*' \
@@ -189,6 +202,7 @@ write_report() {
         echo '```'
         echo "Versions: ${VERSIONS:-unknown}"
         echo
+        [[ -z "${STALE_LOCKS:-}" ]] || echo "Torch extension locks found at the start: $STALE_LOCKS"
         echo "Logs: pytest.log, fsdp_transformer.log, deepspeed_zero.log, nvidia-smi.txt"
     } >"$REPORT_DIR/report.md"
     {

@@ -17,7 +17,10 @@ JSON line per figure and a table. Usage (see benchmarks/README.md)::
     python benchmarks/launch.py --quick         # smoke test: 2 runs, short failure guard
     python benchmarks/launch.py --modes local torchrun --runs 3
 
-Non-goals: warm-path, scaling, steady-state or result-size figures (other benchmarks).
+The timed launches come after a warm-up, so they show each launcher's steady, warm cost (for
+sparkdist: its pool of pre-started workers); ``warmup`` is the session's first launch.
+
+Non-goals: scaling, steady-state training or result-size figures (other benchmarks).
 """
 
 from __future__ import annotations
@@ -358,11 +361,19 @@ def collect(args: argparse.Namespace, workdir: Path, scratch: Path) -> list[Figu
     return figures
 
 
-def report_leftovers(scratch: Path) -> list[str]:
-    """Names the launchers left in their cwd and TMPDIR (reported, then removed with it)."""
-    leftovers = sorted(os.listdir(scratch))
+def report_leftovers(scratch: Path) -> dict[str, int]:
+    """What the launchers left in their cwd and TMPDIR, by name pattern, with counts.
+
+    ``tempfile`` names end in 8 random characters; those become ``*`` (``tmp*``,
+    ``torchelastic_*``), so 60 leaked directories read as one entry.
+    """
+    leftovers: dict[str, int] = {}
+    for name in sorted(os.listdir(scratch)):
+        pattern = re.sub(r"[a-z0-9_]{8}$", "*", name) if "." not in name else name
+        leftovers[pattern] = leftovers.get(pattern, 0) + 1
     if leftovers:
-        progress(f"left behind in the launchers' cwd/TMPDIR: {', '.join(leftovers)}")
+        listed = ", ".join(f"{pattern} x{count}" for pattern, count in leftovers.items())
+        progress(f"left behind in the launchers' cwd/TMPDIR: {listed}")
     return leftovers
 
 

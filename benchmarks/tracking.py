@@ -52,7 +52,12 @@ def measure(tracking: bool, new_store: bool, runs: int, scratch: str) -> dict[st
     env = {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{store}"}
     done = subprocess.run(
         [sys.executable, __file__, "--child", "on" if tracking else "off", "--runs", str(runs)],
-        env=env, cwd=scratch, capture_output=True, text=True, timeout=600, check=True,
+        env=env,
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -78,9 +83,17 @@ def main() -> None:
         first = statistics.median(s["first_s"] for s in samples)
         later = statistics.median(s["next_s"] for s in samples)
         print(f"{name:<16}{first:>13.2f}s{later:>15.3f}s")
-        print(json.dumps({"tracking": name, "first_s": round(first, 3),
-                          "next_s": round(later, 4), "processes": args.processes}),
-              file=sys.stderr)
+        print(
+            json.dumps(
+                {
+                    "tracking": name,
+                    "first_s": round(first, 3),
+                    "next_s": round(later, 4),
+                    "processes": args.processes,
+                }
+            ),
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

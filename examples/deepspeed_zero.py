@@ -120,12 +120,24 @@ def synthetic_batch(successors: torch.Tensor, batch: int, seq: int,
     return torch.cat([first, first], dim=1)[:, : seq + 1]
 
 
+def held_elements(param: torch.nn.Parameter) -> int:
+    """Elements of ``param`` this rank keeps between steps (see ``train``)."""
+    if not hasattr(param, "ds_tensor"):  # ZeRO-0/1/2: parameters are replicated
+        return param.numel()
+    # ZeRO-3: an empty placeholder plus this rank's partition, unless the parameter is small
+    # enough to persist (stay whole on every rank and skip the gather before each use).
+    if param.ds_persist:  # type: ignore[attr-defined] # DeepSpeed adds ds_* at run time
+        return int(param.ds_numel)  # type: ignore[attr-defined]
+    return int(param.ds_tensor.numel())
+
+
 def train(config: ModelConfig) -> dict[str, Any]:
     """Train the model with the run's DeepSpeed config on every rank; return this rank's summary.
 
     ``final_loss`` is the mean over ranks of the last step's loss (the same on every rank);
-    ``held_params`` counts the parameter elements this rank stores (a 1/world_size partition
-    under ZeRO-3, everything under ZeRO-2).
+    ``held_params`` counts the parameter elements this rank keeps during training: everything
+    under ZeRO-2; under ZeRO-3 a 1/world_size partition of each parameter, except parameters
+    smaller than ``stage3_param_persistence_threshold``, which stay whole on every rank.
     """
     import warnings
 
@@ -146,8 +158,7 @@ def train(config: ModelConfig) -> dict[str, Any]:
         model=model, model_parameters=model.parameters(), config=runtime.deepspeed_config()
     )
     stage = engine.zero_optimization_stage()
-    # ZeRO-3 replaces each parameter by an empty placeholder plus this rank's partition.
-    held_params = sum(getattr(p, "ds_tensor", p).numel() for p in engine.module.parameters())
+    held_params = sum(held_elements(p) for p in engine.module.parameters())
     batch = engine.train_micro_batch_size_per_gpu()
 
     successors = torch.randint(config.vocab, (config.vocab, 2),
@@ -155,7 +166,13 @@ def train(config: ModelConfig) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own data
     if rank == 0:
         floor = ((config.seq + 2) // 2 - 1) * math.log(2) / config.seq
-        print(f"ZeRO stage {stage}: {total_params:,} parameters, {held_params:,} held per rank; "
+        persist = ""
+        if stage == 3:  # DeepSpeed's default threshold is 1e5 elements
+            zero = (runtime.deepspeed_config() or {}).get("zero_optimization", {})
+            threshold = int(zero.get("stage3_param_persistence_threshold", 100_000))
+            persist = f" (parameters under {threshold:,} elements stay whole)"
+        print(f"ZeRO stage {stage}: {total_params:,} parameters, {held_params:,} held per rank"
+              f"{persist}; "
               f"{engine.device}, micro-batch {batch}; loss starts near "
               f"{math.log(config.vocab):.2f}, floor ~{floor:.2f}")
 

@@ -36,6 +36,14 @@ SEND_TIMEOUT_S = 30.0
 _HEADER = struct.Struct(">I")
 
 
+def _block_reads_bound_sends(sock: socket.socket) -> None:
+    """Reads wait as long as it takes (a node may print nothing for an hour); a send to a
+    peer that stopped reading gives up after SEND_TIMEOUT_S instead of blocking forever."""
+    sock.settimeout(None)
+    seconds = int(SEND_TIMEOUT_S)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
+
+
 class ChannelClosed(ConnectionError):
     """The peer went away, or sent something that broke the protocol."""
 
@@ -232,7 +240,7 @@ class ChannelServer:
             peer.send({"t": "welcome", "mac": _mac(self._secret, client_nonce)})
         except (ChannelClosed, OSError, ValueError):
             return False
-        peer.sock.settimeout(SEND_TIMEOUT_S)
+        _block_reads_bound_sends(peer.sock)
         return True
 
 
@@ -269,7 +277,7 @@ class ChannelClient(_Framed):
         except (ChannelClosed, ValueError, OSError):
             self.close()
             raise
-        sock.settimeout(SEND_TIMEOUT_S)
+        _block_reads_bound_sends(sock)
         self._on_message = on_message
         self._on_close = on_close
         self._reader = threading.Thread(
@@ -278,7 +286,6 @@ class ChannelClient(_Framed):
         self._reader.start()
 
     def _read_loop(self) -> None:
-        self.sock.settimeout(None)
         try:
             while True:
                 self._on_message(self.recv(MAX_FRAME_BYTES))

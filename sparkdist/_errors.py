@@ -103,9 +103,12 @@ def _describe_failures(
     attempts: tuple[RankFailure, ...],
 ) -> str:
     others = sorted(rank for rank in failures if rank != root.rank)
-    lines = [f"{len(failures)} of the run's ranks failed; first: {root.summary()}"]
+    lines = [f"{root.summary()} (failed first)"]
     if others:
-        lines.append(f"also failed: ranks {', '.join(map(str, others))}")
+        lines.append(
+            f"also failed (often in consequence, e.g. a peer lost in a collective): ranks "
+            f"{', '.join(map(str, others))}"
+        )
     for number, earlier in enumerate(attempts):
         lines.append(f"attempt {number} failed first at {earlier.summary()}")
     if root.exit_code is not None:

@@ -270,3 +270,23 @@ def test_unpicklable_return_value_is_a_clear_failure():
 def test_works_with_no_spark_session(no_spark):
     assert Distributor(1, use_gpu=False).run(whoami)["WORLD_SIZE"] == "1"
     assert "pyspark.sql" not in sys.modules or True  # a session is only read if present
+
+
+def test_a_long_silence_loses_no_output(monkeypatch, capfd):
+    """The channel's send timeout must never apply to reads: a quiet node is not a lost one."""
+    import sparkdist._channel as channel
+
+    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 1.0)
+
+    def quiet():
+        import time
+
+        print("before")
+        time.sleep(2.5)
+        print("after")
+        return "done"
+
+    result = Distributor(2, use_gpu=False).run_all(quiet)
+    assert result.values == ["done", "done"] and result.dropped_lines == 0
+    out, _ = capfd.readouterr()
+    assert "[rank 0] after" in out and "[rank 1] after" in out

@@ -72,8 +72,8 @@ def test_worker_failed_error_message_has_root_cause_traceback_and_last_lines():
     other = RankFailure(0, "hostB", 1, "RuntimeError", "peer died")
     error = WorkerFailedError({0: other, 1: root}, root)
     text = str(error)
-    assert "first: rank 1 on hostA: ValueError: boom" in text
-    assert "also failed: ranks 0" in text
+    assert "rank 1 on hostA: ValueError: boom (failed first)" in text
+    assert "also failed (often in consequence, e.g. a peer lost in a collective): ranks 0" in text
     assert "Traceback ...\nValueError: boom" in text
     assert "  step 2" in text
     assert error.root_cause is root and set(error.failures) == {0, 1}
