@@ -63,11 +63,12 @@ def main() -> None:
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         from pyspark.sql import SparkSession
 
-        # On a cluster, spark-submit's master wins; alone, Spark runs in local mode here.
+        builder = SparkSession.builder.appName("sparkdist-quickstart")
+        if "PYSPARK_GATEWAY_PORT" not in os.environ:
+            # Run alone (not by spark-submit, whose --master must win): Spark in local mode.
+            builder = builder.master(os.environ.get("SPARK_MASTER", f"local[{args.processes}]"))
         spark = (
-            SparkSession.builder.appName("sparkdist-quickstart")
-            .master(os.environ.get("SPARK_MASTER", f"local[{args.processes}]"))
-            .config("spark.pyspark.python", sys.executable)
+            builder.config("spark.pyspark.python", sys.executable)
             .config("spark.ui.showConsoleProgress", "false")
             .getOrCreate()
         )

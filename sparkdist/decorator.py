@@ -19,11 +19,17 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from sparkdist._config import DEFAULT_START_TIMEOUT_S, LaunchConfig, Mode
+from sparkdist._config import (
+    DEFAULT_START_TIMEOUT_S,
+    LaunchConfig,
+    Mode,
+    load_deepspeed_config,
+)
 from sparkdist._errors import ConfigError
 from sparkdist._gpu_type import GPUType
 from sparkdist._launcher import Launch
@@ -48,6 +54,11 @@ def distributed(
     timeout_s: float | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     env: Mapping[str, str] | None = None,
+    deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    max_restarts: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    mlflow: bool | None = None,
     spark: Any | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
@@ -70,6 +81,8 @@ def distributed(
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank.
+        deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow: as on
+            ``Distributor``.
         spark: the SparkSession to use (default: the active one). It is not pickled with the
             function; an unpickled function uses the active session.
 
@@ -122,6 +135,11 @@ def distributed(
         start_timeout_s=start_timeout_s,
         env=dict(env or {}),
         gpu_type=model.value if model is not None else None,
+        deepspeed_config=load_deepspeed_config(deepspeed_config),
+        max_restarts=max_restarts,
+        checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        mlflow=mlflow,
     )
 
     def decorate(fn: Callable[P, R]) -> DistributedFunction[P, R]:
