@@ -105,11 +105,11 @@ def start_spark(processes: int, use_cuda: bool) -> Any:
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from pyspark.sql import SparkSession
 
-    builder = (
-        SparkSession.builder.appName("sparkdist-mlp-ddp")
-        .master(os.environ.get("SPARK_MASTER", f"local[{processes}]"))
-        .config("spark.pyspark.python", sys.executable)
-        .config("spark.ui.showConsoleProgress", "false")
+    builder = SparkSession.builder.appName("sparkdist-mlp-ddp")
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit: its master wins
+        builder = builder.master(os.environ.get("SPARK_MASTER", f"local[{processes}]"))
+    builder = builder.config("spark.pyspark.python", sys.executable).config(
+        "spark.ui.showConsoleProgress", "false"
     )
     if use_cuda:
         # pyspark's local mode only uses GPUs the driver declares as a Spark resource.
