@@ -26,7 +26,9 @@ examples:
       --conf spark.executor.resource.gpu.discoveryScript=/opt/sparkdist/getGpusResources.sh \\
       train.py
 
-  # DeepSpeed ZeRO-2; every rank finds the config in $SPARKDIST_DEEPSPEED_CONFIG (JSON text)
+  # DeepSpeed ZeRO-2: each rank reads the config with sparkdist.runtime.deepspeed_config()
+  # (a JSON file at $SPARKDIST_DEEPSPEED_CONFIG); the script also gets
+  # "--deepspeed --deepspeed_config <path>" after its own arguments, as under pyspark
   sparkdist run -n 4 --deepspeed-config conf/deepspeed/zero2.json train.py
 
 Options of sparkdist come before the script; everything after it is the script's.
@@ -132,6 +134,14 @@ def _add_run(commands: Any, verbosity: argparse.ArgumentParser) -> None:
         help="fail when a rank has not started within this long (default: 300)",
     )
     run.add_argument(
+        "--max-restarts", type=_non_negative_int, default=0, metavar="N",
+        help="restart every rank up to N times after a failure (default: 0)",
+    )
+    run.add_argument(
+        "--gpu-type", metavar="TYPE",
+        help="require this GPU model (H100, A100...) wherever ranks run; checked before start",
+    )
+    run.add_argument(
         "-m", "--module", action="store_true",
         help="TARGET is a module name: run it like python -m TARGET",
     )
@@ -195,6 +205,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
 
 

@@ -16,17 +16,16 @@ arguments or configuration; 1 for anything else that stopped the run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sparkdist._cli_parser import build_parser, script_args
-from sparkdist._config import Mode
+from sparkdist._config import Mode, load_deepspeed_config
 from sparkdist._errors import (
     ConfigError,
     RunTimeoutError,
@@ -34,9 +33,8 @@ from sparkdist._errors import (
     WorkerFailedError,
 )
 
-#: The DeepSpeed config of ``--deepspeed-config``, as JSON text (not a path, so it reaches
-#: executors that do not share the driver's filesystem).
-DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
+if TYPE_CHECKING:
+    from sparkdist.distributor import Distributor
 
 EXIT_OTHER = 1
 EXIT_USAGE = 2
@@ -60,6 +58,9 @@ class RunRequest:
         timeout_s: limit for the whole run, or None.
         start_timeout_s: limit for every rank to join, or None for the library's default.
         env: extra environment of every rank.
+        deepspeed_config: the path of the DeepSpeed JSON config (mode "deepspeed"), or None.
+        max_restarts: how many times the whole world is restarted after a failure.
+        gpu_type: the GPU model every rank's host must have ("H100"...), or None.
     """
 
     num_processes: int
@@ -73,6 +74,9 @@ class RunRequest:
     timeout_s: float | None = None
     start_timeout_s: float | None = None
     env: dict[str, str] = field(default_factory=dict)
+    deepspeed_config: str | None = None
+    max_restarts: int = 0
+    gpu_type: str | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,7 +128,10 @@ def run_request(args: argparse.Namespace) -> RunRequest:
                 f"--deepspeed-config applies to --mode deepspeed, not --mode {mode}; drop one"
             )
         mode = Mode.DEEPSPEED.value
-        env[DEEPSPEED_CONFIG_VAR] = load_deepspeed_config(args.deepspeed_config)
+        try:
+            load_deepspeed_config(args.deepspeed_config)  # refuse a bad file before any start
+        except ConfigError as exc:
+            raise ConfigError(f"--deepspeed-config: {exc}") from exc
     return RunRequest(
         num_processes=args.num_processes,
         target=args.target,
@@ -137,60 +144,50 @@ def run_request(args: argparse.Namespace) -> RunRequest:
         timeout_s=args.timeout,
         start_timeout_s=args.start_timeout,
         env=env,
+        deepspeed_config=args.deepspeed_config,
+        max_restarts=args.max_restarts,
+        gpu_type=args.gpu_type,
     )
 
 
-def load_deepspeed_config(path: str) -> str:
-    """Read a DeepSpeed config file and return it as compact JSON text.
+def make_distributor(request: RunRequest) -> Distributor:
+    """The Distributor for a request, its config validated (no session, nothing started).
 
     Raises:
-        ConfigError: the file cannot be read, is not JSON, or is not a JSON object.
+        ConfigError: a value the library refuses (an unknown GPU type, say).
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except OSError as exc:
-        raise ConfigError(f"--deepspeed-config {path!r} cannot be read: {exc.strerror}") from exc
-    except ValueError as exc:
-        raise ConfigError(
-            f"--deepspeed-config {path!r} is not valid JSON ({exc}); fix it, or start from "
-            "conf/deepspeed/zero2.json"
-        ) from exc
-    if not isinstance(config, dict):
-        raise ConfigError(
-            f"--deepspeed-config {path!r} holds a JSON {type(config).__name__}, but a DeepSpeed "
-            "config is a JSON object such as {\"train_micro_batch_size_per_gpu\": 1}"
-        )
-    return json.dumps(config, separators=(",", ":"))
+    from sparkdist.distributor import Distributor
+
+    options: dict[str, Any] = {}
+    if request.start_timeout_s is not None:
+        options["start_timeout_s"] = request.start_timeout_s
+    return Distributor(
+        request.num_processes,
+        local_mode=request.master is None,
+        use_gpu=request.use_gpu,
+        mode=request.mode,
+        timeout_s=request.timeout_s,
+        env=request.env,
+        deepspeed_config=request.deepspeed_config,
+        max_restarts=request.max_restarts,
+        gpu_type=request.gpu_type,
+        **options,
+    )
 
 
 def execute(request: RunRequest) -> int:
     """Run the request and return the command's exit code (messages go to stderr)."""
-    from sparkdist.distributor import Distributor
-
     if request.module:
         # `python -m` imports from the current directory; the `sparkdist` script does not have
         # it on sys.path, and local ranks import from the driver's sys.path.
         sys.path.insert(0, os.getcwd())
     session = None
     try:
+        distributor = make_distributor(request)  # bad values fail before Spark starts
         if request.master is not None:
             from sparkdist._session import create_session
 
-            session = create_session(request.master, request.spark_conf)
-        options: dict[str, Any] = {}
-        if request.start_timeout_s is not None:
-            options["start_timeout_s"] = request.start_timeout_s
-        distributor = Distributor(
-            request.num_processes,
-            local_mode=request.master is None,
-            use_gpu=request.use_gpu,
-            mode=request.mode,
-            timeout_s=request.timeout_s,
-            env=request.env,
-            spark=session,
-            **options,
-        )
+            session = distributor.spark = create_session(request.master, request.spark_conf)
         if request.module:
             distributor._run_module(request.target, *request.script_args)
         else:

@@ -21,6 +21,9 @@ from pathlib import Path
 
 import psutil
 
+#: JVM flags for short-lived test JVMs: C1 only and the serial GC start about twice as fast on
+#: a busy 2-core box (measured here: 43-53 s against 85-92 s for the standalone cluster test).
+FAST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 CLUSTER_MARK_VAR = "SPARKDIST_TEST_CLUSTER"
 WORKER_NAME_VAR = "SPARKDIST_TEST_WORKER"
 _MASTER_URL = re.compile(r"Starting Spark master at (spark://\S+)")
@@ -48,6 +51,7 @@ class StandaloneCluster:
             **os.environ,
             "SPARK_LOCAL_IP": "127.0.0.1",
             "SPARK_DAEMON_MEMORY": "256m",
+            "SPARK_DAEMON_JAVA_OPTS": FAST_JVM_OPTIONS,
             "SPARK_LOG_DIR": str(self.directory / "logs"),
             CLUSTER_MARK_VAR: self.mark,
             **extra,
@@ -132,7 +136,9 @@ def _wait_for(log: Path, pattern: re.Pattern[str], deadline: float,
         if found:
             return found
         if daemon.poll() is not None:
-            raise RuntimeError(f"{log.name}: the daemon exited ({daemon.returncode}):\n{text[-3000:]}")
+            raise RuntimeError(
+                f"{log.name}: the daemon exited ({daemon.returncode}):\n{text[-3000:]}"
+            )
         if time.monotonic() > deadline:
             raise TimeoutError(f"{log.name}: no {pattern.pattern!r} in time:\n{text[-3000:]}")
         time.sleep(0.1)  # polling the log is the handshake; the daemon offers no other signal

@@ -7,6 +7,7 @@ here touches the test session's SparkContext.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_processes
+from tests.integration.standalone_cluster import FAST_JVM_OPTIONS
 
 RANK_SCRIPT = textwrap.dedent("""
     import os, signal, sys
@@ -32,7 +34,9 @@ RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def sparkdist(*args: str, cwd: Path, timeout: float = 120, **env: str) -> subprocess.CompletedProcess[str]:
+def sparkdist(
+    *args: str, cwd: Path, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
     """Run ``python -m sparkdist ARGS`` and return what it did."""
     full_env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
                 **env}
@@ -80,16 +84,19 @@ def test_module_runs_like_python_dash_m_from_the_current_directory(tmp_path):
     assert "[rank 1] rank 1 of 2 args ['--epochs', '1']" in done.stdout
 
 
-def test_deepspeed_config_reaches_every_rank_as_json(tmp_path):
+def test_deepspeed_config_reaches_every_rank(tmp_path):
     (tmp_path / "show.py").write_text(textwrap.dedent("""
-        import json, os
-        config = json.loads(os.environ["SPARKDIST_DEEPSPEED_CONFIG"])
-        print("stage", config["zero_optimization"]["stage"], "mode", os.environ["SPARKDIST_MODE"])
+        import os, sys
+        from sparkdist import runtime
+        stage = runtime.deepspeed_config()["zero_optimization"]["stage"]
+        print("stage", stage, "mode", os.environ["SPARKDIST_MODE"], "argv", sys.argv[1:3])
     """))
     config = REPO / "conf" / "deepspeed" / "zero2.json"
-    done = sparkdist("run", "-n", "1", "--deepspeed-config", str(config), "show.py", cwd=tmp_path)
+    done = sparkdist("run", "-n", "1", "--deepspeed-config", str(config), "show.py", "--x",
+                     cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    assert "[rank 0] stage 2 mode deepspeed" in done.stdout
+    # pyspark's DeepspeedTorchDistributor appends these to a script's own arguments.
+    assert "[rank 0] stage 2 mode deepspeed argv ['--x', '--deepspeed']" in done.stdout
 
 
 def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, script):
@@ -107,6 +114,8 @@ def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_p
     done = sparkdist(
         "run", "-n", "2", "--master", "local-cluster[2,1,1024]", "--cpu",
         "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
+        "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+        "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
         "train.py", "--", "--seed", "7",
         cwd=tmp_path, timeout=240, FAIL_AS="1:5",
     )
@@ -120,8 +129,10 @@ def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_p
 @pytest.mark.spark
 def test_doctor_reports_no_gpu_and_passes_the_rest(tmp_path):
     # The shipped GPU conf is judged too: sound, but its discovery script is not on this box.
+    # JDK_JAVA_OPTIONS speeds the probe's JVM up, and makes java print a note before its
+    # version, which the doctor must see past.
     done = sparkdist("doctor", "--properties-file", str(REPO / "conf" / "spark-defaults.conf"),
-                     cwd=tmp_path, timeout=180)
+                     cwd=tmp_path, timeout=180, JDK_JAVA_OPTIONS=FAST_JVM_OPTIONS)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {line.split()[0]: line for line in done.stdout.splitlines() if line.strip()}
     for name in ("python", "java", "pyspark", "torch"):
@@ -138,3 +149,30 @@ def test_doctor_exits_1_and_says_the_fix_when_java_is_missing(tmp_path):
     assert "PROBLEM" in done.stdout and "fix: install Java 17" in done.stdout
     assert "not ready" in done.stdout
 
+
+
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+    (tmp_path / "sleepy.py").write_text(
+        "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "sparkdist", "run", "-n", "2", "sleepy.py"], cwd=tmp_path,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+    )
+    try:
+        assert driver.stdout is not None
+        started = 0
+        for line in driver.stdout:  # the handshake: both ranks said they run
+            started += line.rstrip().endswith("started")
+            if started == 2:
+                break
+        assert started == 2, "the ranks did not start"
+        driver.send_signal(signal.SIGINT)
+        _, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    assert driver.returncode == 130, err
+    assert "interrupted" in err
+    assert not run_processes()

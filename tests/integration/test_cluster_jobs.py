@@ -19,6 +19,7 @@ import pytest
 from tests.conftest import FAKE_GPU_SCRIPT, REPO, run_processes
 from tests.integration.standalone_cluster import (
     CLUSTER_MARK_VAR,
+    FAST_JVM_OPTIONS,
     WORKER_NAME_VAR,
     StandaloneCluster,
     spark_home,
@@ -51,7 +52,8 @@ def test_spark_submit_runs_the_example_job_on_local_cluster(tmp_path):
     done = subprocess.run(
         [str(spark_home() / "bin" / "spark-submit"), "--master", "local-cluster[2,1,1024]",
          "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
-         "--driver-java-options", f"-Dlog4j2.configurationFile=file:{log4j}",
+         "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+         "--driver-java-options", f"-Dlog4j2.configurationFile=file:{log4j} {FAST_JVM_OPTIONS}",
          str(REPO / "examples" / "submit_job.py"), "--processes", "2", "--steps", "30"],
         cwd=tmp_path, env=driver_env(), capture_output=True, text=True, timeout=300,
         stdin=subprocess.DEVNULL, check=False,
@@ -77,7 +79,9 @@ def test_standalone_cluster_gives_every_rank_its_own_worker_gpu(tmp_path):
              "--conf", "spark.executor.resource.gpu.amount=2",
              "--conf", "spark.task.resource.gpu.amount=1",
              "--conf", "spark.executor.cores=2", "--conf", "spark.executor.memory=512m",
-             "--conf", "spark.ui.enabled=false", "placement.py"],
+             "--conf", "spark.ui.enabled=false",
+             "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+             "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}", "placement.py"],
             cwd=tmp_path, env=driver_env(), capture_output=True, text=True, timeout=300,
             stdin=subprocess.DEVNULL, check=False,
         )

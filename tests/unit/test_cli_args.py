@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from sparkdist import ClusterError, ConfigError, RankFailure, RunTimeoutError, WorkerFailedError
 from sparkdist.cli import (
-    DEEPSPEED_CONFIG_VAR,
     RunRequest,
     build_parser,
     exit_code_of,
     main,
+    make_distributor,
     run_request,
 )
 
@@ -64,10 +63,31 @@ def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
     )
 
 
-def test_deepspeed_config_implies_the_mode_and_travels_as_json(in_tmp):
-    request = parse("--deepspeed-config", str(REPO / "conf/deepspeed/zero3.json"), "train.py")
-    assert request.mode == "deepspeed"
-    assert json.loads(request.env[DEEPSPEED_CONFIG_VAR])["zero_optimization"]["stage"] == 3
+def test_request_becomes_the_distributors_config(in_tmp):
+    config_path = str(REPO / "conf/deepspeed/zero2.json")
+    request = parse("-n", "3", "--cpu", "--timeout", "9", "--start-timeout", "8",
+                    "--env", "A=1", "--max-restarts", "2", "--gpu-type", "h100",
+                    "--deepspeed-config", config_path, "train.py")
+    distributor = make_distributor(request)
+    config = distributor.config
+    assert (config.num_processes, config.local_mode, config.use_gpu) == (3, True, False)
+    assert (config.timeout_s, config.start_timeout_s, config.max_restarts) == (9.0, 8.0, 2)
+    assert config.mode.value == "deepspeed" and config.gpu_type == "H100"
+    assert config.deepspeed_config["zero_optimization"]["stage"] == 2
+    assert config.env == {"A": "1"} and distributor.spark is None
+    assert not make_distributor(parse("--master", "yarn", "train.py")).config.local_mode
+
+
+def test_values_the_library_refuses_fail_before_spark_starts(in_tmp):
+    with pytest.raises(ConfigError, match="not a GPU model"):
+        make_distributor(parse("--master", "yarn", "--gpu-type", "abacus", "train.py"))
+
+
+def test_deepspeed_config_implies_the_mode(in_tmp):
+    path = str(REPO / "conf/deepspeed/zero3.json")
+    request = parse("--deepspeed-config", path, "train.py")
+    assert (request.mode, request.deepspeed_config, request.env) == ("deepspeed", path, {})
+    assert parse("--mode", "deepspeed", "train.py").deepspeed_config is None
 
 
 @pytest.mark.parametrize(
@@ -77,9 +97,9 @@ def test_deepspeed_config_implies_the_mode_and_travels_as_json(in_tmp):
         (["--master", "local[2]", "--conf", "novalue", "train.py"], "is not KEY=VALUE"),
         (["--env", "=x", "train.py"], "is not KEY=VALUE"),
         (["--mode", "ddp", "--deepspeed-config", "ds.json", "train.py"], "not --mode ddp"),
-        (["--deepspeed-config", "missing.json", "train.py"], "cannot be read"),
+        (["--deepspeed-config", "missing.json", "train.py"], "--deepspeed-config: cannot read"),
         (["--deepspeed-config", "broken.json", "train.py"], "is not valid JSON"),
-        (["--deepspeed-config", "list.json", "train.py"], "is a JSON object"),
+        (["--deepspeed-config", "list.json", "train.py"], "must be a JSON object"),
         (["missing.py"], "does not exist"),
     ],
 )
@@ -98,6 +118,7 @@ def test_contradictions_and_bad_files_are_config_errors(in_tmp, argv, message):
         ["run", "-n", "two", "train.py"],
         ["run", "--local", "--master", "yarn", "train.py"],
         ["run", "--timeout", "-1", "train.py"],
+        ["run", "--max-restarts", "-1", "train.py"],
         ["run", "--mode", "horovod", "train.py"],
         ["run"],
         [],

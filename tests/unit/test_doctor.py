@@ -15,6 +15,7 @@ from sparkdist._doctor_spark import (
     find_java,
     java_major,
     judge_probe,
+    version_line,
 )
 from sparkdist._doctor_table import Check, Status, format_checks, has_problem
 from sparkdist._gpus import Gpu
@@ -52,6 +53,13 @@ def test_java_major(text, major):
 def test_check_java(java, text, pyspark, status, fix):
     check = check_java(java, text, pyspark)
     assert check.status is status and fix in check.fix
+
+
+def test_version_line_skips_picked_up_notes():
+    output = ("NOTE: Picked up JDK_JAVA_OPTIONS: -XX:+UseSerialGC\n"
+              'openjdk version "17.0.15" 2025-04-15\nOpenJDK Runtime Environment\n')
+    assert java_major(version_line(output)) == 17
+    assert version_line("") == ""
 
 
 def test_find_java_prefers_java_home(tmp_path):
