@@ -33,8 +33,9 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -131,17 +132,18 @@ class TwoTowerModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         trainer = self.trainer
-        environment = trainer.strategy.cluster_environment
+        environment = getattr(trainer.strategy, "cluster_environment", None)  # DDP has one
         launcher = trainer.strategy.launcher
         # The processes Lightning trains in: if it had started its own, there would be more
         # than world_size pids here, or they would not be sparkdist's ranks.
-        pids = self.all_gather(torch.tensor(os.getpid(), device=self.device))
+        pids = cast(torch.Tensor, self.all_gather(torch.tensor(os.getpid(), device=self.device)))
         self.launch = {
             "lightning_world_size": trainer.world_size,
             "lightning_global_rank": trainer.global_rank,
             "process_group_size": dist.get_world_size(),
             "cluster_environment": type(environment).__name__,
-            "creates_processes_externally": bool(environment.creates_processes_externally),
+            "creates_processes_externally": bool(
+                getattr(environment, "creates_processes_externally", False)),
             "strategy": type(trainer.strategy).__name__,
             # Lightning's launcher keeps the processes it spawned in .procs.
             "children_spawned_by_lightning": len(getattr(launcher, "procs", [])),
@@ -172,7 +174,7 @@ class TwoTowerModule(L.LightningModule):
         self.epoch_losses.append(float(totals[0] / totals[1]))
         if self.current_epoch == 0:
             # Which interactions each rank trained on in the first epoch: a (world, N) count.
-            seen = self.all_gather(self._seen).view(-1, self.train_size)
+            seen = cast(torch.Tensor, self.all_gather(self._seen)).view(-1, self.train_size)
             times_seen = seen.sum(dim=0)
             self.shard = {
                 "shard_size": int(self._seen.sum()),
@@ -209,6 +211,10 @@ class TwoTowerModule(L.LightningModule):
 
 def train(config: TwoTowerConfig) -> dict[str, Any]:
     """Fit the two towers with ``Trainer(strategy="ddp")`` on this rank; return what it saw."""
+    # Lightning 2.6 calls torch APIs that this torch deprecated; the warnings, repeated by each
+    # rank, say nothing about this code.
+    warnings.filterwarnings("ignore", message=r"(torch\.distributed\.nn\.functional\.all_gather|"
+                            r"`isinstance\(treespec, LeafSpec\)`) is deprecated")
     use_cuda = runtime.device().type == "cuda"
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     train_pairs, held_out = synthetic_interactions(config)

@@ -48,6 +48,8 @@ from sparkdist._outbox import Outbox
 from sparkdist._partition import partition_path, write_partition
 from sparkdist._payload import Outcome
 from sparkdist._pool import RankProcess, start_rank
+from sparkdist._shipping import put_code_first, unpack_code
+from sparkdist._versions import Requirement, refusal_error, unmet_requirements
 
 logger = logging.getLogger("sparkdist")
 
@@ -87,6 +89,11 @@ class AgentSpec:
         deepspeed_config_json: the DeepSpeed config, written into the run directory for the
             ranks (and removed with it).
         heartbeat_timeout_s: a joined rank silent (no report, no beat) for this long is hung.
+        requirements: package versions this node must have, or no rank starts (``_versions``).
+        code_zip: the sources of the local modules the job uses (``_shipping``), unpacked into
+            the run directory and put first on the ranks' ``PYTHONPATH``.
+        job_file: a file on this node holding the pickled Job, used instead of ``job_bytes``
+            (a large job, shipped with ``SparkContext.addFile``; see ``_captures``).
     """
 
     run_id: str
@@ -107,6 +114,9 @@ class AgentSpec:
     gpu_type: str | None = None
     deepspeed_config_json: str | None = None
     heartbeat_timeout_s: float | None = None
+    requirements: tuple[Requirement, ...] = ()
+    code_zip: bytes | None = None
+    job_file: str | None = None
 
 
 class _Worker:
@@ -174,7 +184,8 @@ def run_agent(
             result.append(agent.run())
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             error.append(exc)
-            agent.spawned.set()
+        finally:
+            agent.spawned.set()  # a refusal returns without spawning: stop waiting for it
 
     thread = threading.Thread(target=run, name="sparkdist-agent", daemon=True)
     thread.start()
@@ -199,6 +210,7 @@ class _Agent:
         self.detached: DetachedRendezvous | None = None
         self.spawned = threading.Event()  # the workers exist and the outbox is open
         self.run_dir = ""
+        self.code_dir: str | None = None  # the shipped local code, once unpacked
         self.outbox: Outbox | None = None
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.workers: dict[int, _Worker] = {}
@@ -214,14 +226,20 @@ class _Agent:
         client: ChannelClient | None = None
         outbox: Outbox | None = None
         try:
-            job_file = os.path.join(run_dir, "job.pkl")
-            with open(job_file, "wb") as f:
-                f.write(self.spec.job_bytes)
             refusal = self._check_gpu_type()
-            if refusal is not None:
-                _tell_driver_once(self.spec, {"t": "refused", "node": self.spec.node_rank,
-                                              "reason": refusal})
+            unmet = unmet_requirements(self.spec.requirements, self.spec.host)
+            if refusal is not None or unmet:
+                message = {"t": "refused", "node": self.spec.node_rank,
+                           "host": self.spec.host, "reason": refusal, "rows": unmet}
+                if not _tell_driver_once(self.spec, message) and self.all_gather is not None:
+                    raise refusal_error(message)  # detached: the task's error carries it
                 return []
+            job_file = self.spec.job_file or os.path.join(run_dir, "job.pkl")
+            if self.spec.job_file is None:
+                with open(job_file, "wb") as f:
+                    f.write(self.spec.job_bytes)
+            if self.spec.code_zip is not None:
+                self.code_dir = unpack_code(run_dir, self.spec.code_zip)
             # Spawn first: the workers' interpreter start-up overlaps with our handshake.
             self._spawn_all(run_dir, job_file)
             client = self._connect()
@@ -352,6 +370,7 @@ class _Agent:
             env[_worker.JOB_FILE_VAR] = job_file
             env[_worker.RESULT_DIR_VAR] = run_dir
             env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
+            put_code_first(env, self.code_dir)
             if self.expects_data:
                 env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)
             try:
@@ -563,19 +582,23 @@ class _Agent:
         )
 
 
-def _tell_driver_once(spec: AgentSpec, message: Message) -> None:
-    """Connect, send one message, and hang up (best effort: the driver may be gone)."""
+def _tell_driver_once(spec: AgentSpec, message: Message) -> bool:
+    """Connect, send one message, and hang up (best effort: the driver may be gone);
+    False when the driver's channel could not be reached."""
+    if not spec.channel_address[1]:
+        return False  # the channel is turned off: this node runs detached
     try:
         client = ChannelClient(spec.channel_address, spec.secret, on_message=lambda m: None)
     except (OSError, ChannelClosed):
-        return
+        return False
     try:
         client.send(message)
     except (OSError, ChannelClosed):
-        pass
+        return False
     finally:
         client.close()
         client.join(FLUSH_TIMEOUT_S)
+    return True
 
 
 def _describe_exit(code: int | None) -> str:

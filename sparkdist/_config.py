@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparkdist._errors import ConfigError
+from sparkdist._versions import parse_requirements
 
 #: Seconds a rank may take from spawn to joining the rendezvous before the run is aborted.
 DEFAULT_START_TIMEOUT_S = 300.0
+#: Pickled job sizes past which a launch warns (and ships the job as a file), or refuses.
+DEFAULT_JOB_SIZE_WARN_MB = 100.0
+DEFAULT_JOB_SIZE_LIMIT_MB = 2048.0
 
 
 class Mode(str, enum.Enum):
@@ -64,6 +68,11 @@ class LaunchConfig:
             joined) is declared hung: its stack is dumped into its output and the run stops.
         mlflow: True/False turns MLflow tracking on/off; None follows SPARKDIST_MLFLOW (on
             unless it is 0).
+        requirements: packages every host that runs ranks must have, as "name" (the driver's
+            version) or "name==version"; checked before any rank starts (``_versions``).
+        job_size_warn_mb: a pickled job past this size gets a warning naming its largest
+            captured objects, and travels as a file in Spark mode (``_captures``).
+        job_size_limit_mb: a pickled job past this size is refused (``ConfigError``).
     """
 
     num_processes: int = 1
@@ -79,6 +88,9 @@ class LaunchConfig:
     checkpoint_dir: str | None = None
     heartbeat_timeout_s: float | None = None
     mlflow: bool | None = None
+    requirements: tuple[str, ...] = ()
+    job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB
+    job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB
 
     def __post_init__(self) -> None:
         _check_positive_int("num_processes", self.num_processes)
@@ -122,6 +134,8 @@ class LaunchConfig:
                 f"deepspeed_config was given with mode={self.mode.value!r}; pass "
                 "mode='deepspeed' (or drop deepspeed_config)"
             )
+        object.__setattr__(self, "requirements", parse_requirements(self.requirements))
+        _check_job_sizes(self.job_size_warn_mb, self.job_size_limit_mb)
 
     def mode_settings(self) -> dict[str, Any]:
         """The mode's settings worth showing in logs and results."""
@@ -183,6 +197,18 @@ def load_deepspeed_config(value: Mapping[str, Any] | str | os.PathLike[str] | No
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_job_sizes(warn_mb: Any, limit_mb: Any) -> None:
+    for name, value in (("job_size_warn_mb", warn_mb), ("job_size_limit_mb", limit_mb)):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise ConfigError(f"{name} must be a positive number of megabytes, got {value!r}")
+    if warn_mb > limit_mb:
+        raise ConfigError(
+            f"job_size_warn_mb={warn_mb:g} is above job_size_limit_mb={limit_mb:g}; the warning "
+            "must come before the limit"
+        )
 
 
 def _check_positive_seconds(name: str, value: Any) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from sparkdist import _spark
 from sparkdist._agent import AgentSpec
+from sparkdist._captures import JobFile, check_job_size, job_file_name
 from sparkdist._channel import ChannelServer, new_secret
 from sparkdist._config import LaunchConfig, Mode
 from sparkdist._env import CHECKPOINT_DIR_VAR
@@ -41,6 +42,7 @@ from sparkdist._placement import (
     place_on_cluster,
 )
 from sparkdist._result import RunResult
+from sparkdist._shipping import ModuleRecorder, pack_local_code
 from sparkdist._supervisor import (
     ABORT_GRACE_S,
     RunMonitor,
@@ -50,6 +52,7 @@ from sparkdist._supervisor import (
     supervise,
 )
 from sparkdist._tracking import RunTracker
+from sparkdist._versions import check_local, expected_requirements
 
 logger = logging.getLogger("sparkdist")
 
@@ -79,14 +82,31 @@ class Launch:
                 )
             session = session if session is not None else dataframe.sparkSession
         self._dataframe = dataframe
-        job_bytes = dumps_job(job)
+        recorder = ModuleRecorder()
+        job_bytes = dumps_job(job, on_object=recorder)
+        large = check_job_size(
+            job, len(job_bytes), config.job_size_warn_mb, config.job_size_limit_mb,
+            local_mode=config.local_mode,
+        )
+        requirements = expected_requirements(
+            config.mode.value, config.requirements, pinned_only=config.local_mode
+        )
+        # Local ranks already import from the driver's own directories (_local_python_path).
+        code_zip = pack_local_code(recorder.names, visible_dirs=(
+            _local_python_path().get("PYTHONPATH", "").split(os.pathsep)
+            if config.local_mode else ()
+        ))
         self.run_id = uuid.uuid4().hex[:12]
         self.config = config
+        self._job_file: JobFile | None = None
+        ship_as_file = large and not config.local_mode
         if config.local_mode:
             session = session if session is not None else _spark.active_session()
             _check_local_packages(config)
             self.placement = place_local(config, _driver_gpus(config, session))
             _check_local_gpu_type(config, self.placement)
+            check_local(requirements)  # the ranks run this interpreter: only pins can differ
+            requirements = ()
             driver_host = "127.0.0.1"
             extra_env = {**_local_python_path(), **config.env}
         else:
@@ -112,7 +132,7 @@ class Launch:
         self._driver_host = driver_host
         self._template = AgentSpec(
             run_id=self.run_id,
-            job_bytes=job_bytes,
+            job_bytes=b"" if ship_as_file else job_bytes,
             node_rank=0,
             num_nodes=placement.num_tasks,
             processes_per_node=placement.processes_per_task,
@@ -131,6 +151,9 @@ class Launch:
                 if config.deepspeed_config is not None else None
             ),
             heartbeat_timeout_s=config.heartbeat_timeout_s,
+            requirements=requirements,
+            code_zip=code_zip,
+            job_file=job_file_name(self.run_id) if ship_as_file else None,
         )
         self._result: RunResult | None = None
         self._error: BaseException | None = None
@@ -140,8 +163,11 @@ class Launch:
         # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
         self._tracker = RunTracker(config, placement, self.run_id)
         try:
+            if ship_as_file:
+                self._job_file = JobFile(session, job_bytes, self.run_id)
             self._attempt = self._start_attempt(0)
         except BaseException as exc:
+            self._release_job_file()
             self._tracker.close(None, exc)
             raise
         threading.Thread(
@@ -213,8 +239,15 @@ class Launch:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
+            self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()
+
+    def _release_job_file(self) -> None:
+        """A large job's file is needed until the last attempt ends (restarts reuse it)."""
+        if self._job_file is not None:
+            self._job_file.remove()
+            self._job_file = None
 
     def done(self) -> bool:
         """True once the run ended (every rank has exited)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import importlib
 import io
 import os
 import pickle
@@ -97,12 +98,13 @@ class Outcome:
 _BY_VALUE_LOCK = threading.Lock()
 
 
-def dumps_job(job: Job) -> bytes:
+def dumps_job(job: Job, on_object: Callable[[Any], None] | None = None) -> bytes:
     """Pickle a job, shipping the function's own (non-installed) module by value.
 
     A function defined in a notebook, a test module or a script next to the driver cannot be
     imported by name on an executor, so its module is pickled by value; installed packages are
-    always pickled by reference.
+    always pickled by reference. ``on_object``, when given, sees every object the pickler
+    reduces (``_shipping.ModuleRecorder`` notes the modules the job needs by name).
 
     Raises:
         ConfigError: naming the object inside the job that cannot be pickled.
@@ -118,7 +120,10 @@ def dumps_job(job: Job) -> bytes:
                 pass
         try:
             buffer = io.BytesIO()
-            _FilenameKeepingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
+            if on_object is None:
+                _FilenameKeepingPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
+            else:
+                _RecordingPickler(buffer, on_object, protocol=pickle.HIGHEST_PROTOCOL).dump(job)
             return buffer.getvalue()
         except Exception as exc:
             where, culprit = _find_unpicklable(job)
@@ -145,6 +150,35 @@ class _FilenameKeepingPickler(cloudpickle.Pickler):  # type: ignore[misc]
             {types.CodeType: _code_reduce_keeping_filename}, cloudpickle.Pickler.dispatch_table
         )
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        torch = sys.modules.get("torch")
+        classes = getattr(torch, "classes", None) if torch is not None else None
+        if classes is not None and type(classes) is not types.ModuleType:
+            # torch.classes is a pseudo-module that does not pickle; cloudpickle ships it as a
+            # "submodule" of torch whenever a by-value function reads any attribute called
+            # `classes`. Refer to it by name instead: the rank imports torch anyway. (Set
+            # before the C pickler's init, which reads the table once.)
+            self.dispatch_table = collections.ChainMap(
+                {type(classes): _torch_classes_reduce}, type(self).dispatch_table
+            )
+        super().__init__(*args, **kwargs)
+
+
+class _RecordingPickler(_FilenameKeepingPickler):
+    """Also hands every object it reduces to a hook, before cloudpickle decides how."""
+
+    def __init__(self, file: Any, on_object: Callable[[Any], None], **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self._on_object = on_object
+
+    def reducer_override(self, obj: Any) -> Any:
+        self._on_object(obj)
+        return super().reducer_override(obj)
+
+
+def _torch_classes_reduce(_: Any) -> tuple[Any, tuple[str]]:
+    return importlib.import_module, ("torch.classes",)
+
 
 def loads(data: bytes) -> Any:
     """Unpickle bytes produced by this package (never bytes read from a socket)."""
@@ -153,7 +187,7 @@ def loads(data: bytes) -> Any:
 
 def dumps_value(value: Any) -> bytes:
     """Pickle a rank's return value."""
-    return cloudpickle.dumps(value)
+    return bytes(cloudpickle.dumps(value))
 
 
 def _module_to_ship(fn: Callable[..., Any]) -> types.ModuleType | None:

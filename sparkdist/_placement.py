@@ -169,12 +169,13 @@ def estimate_barrier_slots(conf: Mapping[str, str]) -> int | None:
         return (int(local.group(1)) if local.group(1) else 1) // task_cpus
     cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]", master)
     if cluster:
-        executors, cores = int(cluster.group(1)), int(cluster.group(2))
+        executors: int | None = int(cluster.group(1))
+        cores: int | None = int(cluster.group(2))
     else:
         executors = _positive_int(conf.get("spark.executor.instances"))
         cores = _positive_int(conf.get("spark.executor.cores"))
-        if executors is None or cores is None:
-            return None
+    if executors is None or cores is None:
+        return None
     per_executor = cores // task_cpus
     task_gpus = _positive_int(conf.get(TASK_GPU_KEY))
     executor_gpus = _positive_int(conf.get("spark.executor.resource.gpu.amount"))

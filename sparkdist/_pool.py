@@ -67,16 +67,15 @@ class _ColdProcess(RankProcess):
         assert self._popen.stdout is not None and self._popen.stderr is not None
         self.pid = self._popen.pid
         self.stdout, self.stderr = self._popen.stdout, self._popen.stderr
-
-    @property  # type: ignore[override]
-    def returncode(self) -> int | None:
-        return self._popen.returncode
+        self.returncode = None
 
     def wait(self) -> int:
-        return self._popen.wait()
+        self.returncode = self._popen.wait()
+        return self.returncode
 
     def poll(self) -> int | None:
-        return self._popen.poll()
+        self.returncode = self._popen.poll()
+        return self.returncode
 
 
 class _ForkedProcess(RankProcess):

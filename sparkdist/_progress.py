@@ -75,7 +75,7 @@ class ProgressDisplay:
     def output_guard(self) -> contextlib.AbstractContextManager[Any]:
         """Wrap each line written to the terminal: a live bar steps aside and comes back."""
         if self._terminal_bar and self._bar is not None:
-            from tqdm import tqdm  # type: ignore[import-untyped]
+            from tqdm import tqdm
 
             return tqdm.external_write_mode()  # type: ignore[no-any-return]
         return contextlib.nullcontext()
@@ -161,7 +161,7 @@ def _open_bar(
                                "total": total, "postfix": postfix or None}
     try:
         if _in_notebook():
-            from tqdm.notebook import tqdm as notebook_tqdm  # type: ignore[import-untyped]
+            from tqdm.notebook import tqdm as notebook_tqdm
 
             return notebook_tqdm(**options), False
         if not _isatty(sys.stderr) or _columns(sys.stderr) <= 0:

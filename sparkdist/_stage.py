@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sparkdist._agent import AgentSpec, run_agent
+from sparkdist._captures import executor_path
 from sparkdist._errors import ClusterError
 from sparkdist._placement import cuda_visible_devices
 from sparkdist._spark import is_connect
@@ -133,7 +134,7 @@ def _barrier_task(
         )
     spec = dataclasses.replace(
         template, node_rank=node_rank, master_addr=hosts[0], host=hosts[node_rank],
-        gpu_addresses=gpus,
+        gpu_addresses=gpus, job_file=executor_path(template.job_file),
     )
     for outcome in run_agent(spec, batches, all_gather=context.allGather):
         yield cloudpickle.dumps(outcome)

@@ -38,6 +38,7 @@ from sparkdist._payload import Outcome, loads
 from sparkdist._placement import Placement
 from sparkdist._result import RunResult
 from sparkdist._stage import BarrierStage
+from sparkdist._versions import Refusal, refusal_message, refusals_in
 
 logger = logging.getLogger("sparkdist")
 
@@ -76,7 +77,7 @@ class RunMonitor:
         self.dropped = 0
         self.abort_reason: str | None = None
         self.cancelled = False
-        self.refusals: list[str] = []
+        self.refusals: list[Refusal] = []
         self.hung_since: dict[int, float] = {}  # rank -> wall time of its last heartbeat
         self.node_hosts: dict[int, str] = {}
         self.lost_nodes: list[int] = []
@@ -103,8 +104,9 @@ class RunMonitor:
                 peer.node = int(message["node"])
                 self.node_hosts[peer.node] = str(message.get("host", ""))
                 # An agent that connects late still learns what the others already know.
-                if self._rendezvous() is not None:
-                    peer.send(self._rendezvous())
+                rendezvous = self._rendezvous()
+                if rendezvous is not None:
+                    peer.send(rendezvous)
                 if self.abort_reason is not None:
                     peer.send({"t": "abort", "reason": self.abort_reason})
             elif kind == "store":
@@ -123,10 +125,12 @@ class RunMonitor:
             elif kind == "rows":
                 self._record_rows(message.get("counts", {}))
             elif kind == "refused":
-                # An agent would not start its ranks (wrong GPU type): nobody may train.
-                self.refusals.append(str(message.get("reason")))
+                # An agent would not start its ranks (wrong GPU type, package versions):
+                # nobody may train.
+                refusal = Refusal.of(message)
+                self.refusals.append(refusal)
                 self.byes.add(int(message["node"]))
-                self._abort_locked(str(message.get("reason")))
+                self._abort_locked(refusal.summary)
             elif kind == "bye":
                 self.byes.add(int(message["node"]))
                 self.dropped += int(message.get("dropped", 0))
@@ -329,8 +333,10 @@ def supervise(
         monitor.changed.wait_for(
             lambda: len(monitor.byes) >= monitor.num_nodes, timeout=OUTPUT_DRAIN_S
         )
-    if monitor.refusals:
-        raise ClusterError(monitor.refusals[0])
+    # Every node's refusal in one message (the wait for the byes above let them all arrive).
+    refusals = monitor.refusals + refusals_in(submission.error)
+    if refusals:
+        raise ClusterError(refusal_message(refusals, monitor.num_nodes))
     if monitor.data_error is not None:
         raise ConfigError(monitor.data_error)
     if submission.error is not None:

@@ -148,7 +148,7 @@ def _host_store(env: os._Environ[str], timeout_s: float) -> int:
     global _store
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
 
     _store = TCPStore(
         env["MASTER_ADDR"],

@@ -218,10 +218,10 @@ def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
     for fd in (devnull, stdout_w, stderr_w):
         os.close(fd)
     # Unbuffered text streams on the new descriptors, as PYTHONUNBUFFERED gives a fresh rank.
-    sys.stdout = sys.__stdout__ = io.TextIOWrapper(
+    sys.stdout = io.TextIOWrapper(
         io.FileIO(1, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+    sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
     env = {str(k): str(v) for k, v in request["env"].items()}

@@ -143,7 +143,7 @@ class PartitionDataset:
                 starts.append(offset)
                 offset += batch.num_rows
             self._state = (os.getpid(), (converters, starts))
-        return self._state[1]  # type: ignore[no-any-return]
+        return self._state[1]  # type: ignore[no-any-return,unused-ignore]
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -198,7 +198,8 @@ def _arrays(array: Any, float_dtype: Any) -> Any:
     floating = np.issubdtype(flat.dtype, np.floating)
 
     def get(i: int) -> Any:
-        if offsets is None:  # fixed-size lists
+        if offsets is None:  # fixed-size lists: the type gives the width
+            assert width is not None
             piece = flat[i * width:(i + 1) * width]
         else:
             piece = flat[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]

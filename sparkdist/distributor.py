@@ -9,11 +9,13 @@ rank 0's value (pyspark's local mode returns whichever rank finished last) and r
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sparkdist._config import (
+    DEFAULT_JOB_SIZE_LIMIT_MB,
+    DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
     LaunchConfig,
     Mode,
@@ -25,6 +27,7 @@ from sparkdist._launcher import launch
 from sparkdist._payload import Job, TargetKind
 from sparkdist._placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
 from sparkdist._result import RunResult
+from sparkdist._versions import parse_requirements
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
 
@@ -64,6 +67,18 @@ class Distributor:
             active one, ``MLFLOW_RUN_ID``'s, or a new one in ``MLFLOW_TRACKING_URI``, by default
             ``sqlite:///mlflow.db``) whose id every rank has in ``MLFLOW_RUN_ID``; without the
             mlflow package the run goes on and one line says tracking is off.
+        requirements: packages every host that runs ranks must have, checked before any rank
+            starts: "numpy" means the driver's version, "pandas==2.2.0" that version. Python
+            (same major.minor), torch, cloudpickle, sparkdist (and deepspeed in mode
+            "deepspeed") are always compared with the driver's in Spark mode; local mode runs
+            the driver's own interpreter and checks only the pinned entries. A difference
+            raises ``ClusterError`` with a table of host, package, wanted and found versions.
+        job_size_warn_mb: past this pickled size (the function with everything it captured,
+            and its arguments) the launch warns, naming the largest captured objects, and
+            Spark mode ships the job as a file (``SparkContext.addFile``) rather than inside
+            the Spark task.
+        job_size_limit_mb: past this pickled size the launch fails with ``ConfigError``
+            naming the largest captured objects.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none).
 
@@ -95,6 +110,9 @@ class Distributor:
         heartbeat_timeout_s: float | None = None,
         gpu_type: str | None = None,
         mlflow: bool | None = None,
+        requirements: Sequence[str] | None = None,
+        job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
+        job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB,
         spark: Any | None = None,
     ) -> None:
         self.config = LaunchConfig(
@@ -111,6 +129,9 @@ class Distributor:
             heartbeat_timeout_s=heartbeat_timeout_s,
             gpu_type=None if gpu_type is None else str(GPUType.parse(gpu_type).value),
             mlflow=mlflow,
+            requirements=parse_requirements(requirements),
+            job_size_warn_mb=job_size_warn_mb,
+            job_size_limit_mb=job_size_limit_mb,
         )
         self.spark = spark
 

@@ -107,3 +107,19 @@ def test_unpicklable_argument_inside_a_user_object_is_named():
 def test_unpicklable_keyword_argument_in_a_dict_is_named():
     with pytest.raises(ConfigError, match=r"keyword argument 'cfg'\['lock'\]"):
         dumps_job(Job(kind=TargetKind.FUNCTION, fn=scale, kwargs={"cfg": {"lock": threading.Lock()}}))
+
+
+def test_a_function_reading_an_attribute_named_classes_still_pickles():
+    """cloudpickle ships torch.classes (an unpicklable pseudo-module) as a 'submodule' of
+    torch when a by-value function reads any `.classes`; it must travel by name instead."""
+    torch = pytest.importorskip("torch")
+    code = "def count(config):\n    return torch.zeros(config.classes).shape[0]\n"
+    namespace = {"torch": torch, "__name__": "__main__"}
+    exec(code, namespace)
+    data = dumps_job(Job(kind=TargetKind.FUNCTION, fn=namespace["count"]))
+    job = cloudpickle.loads(data)
+
+    class Config:
+        classes = 3
+
+    assert job.fn(Config()) == 3

@@ -11,6 +11,7 @@ from sparkdist._placement import (
     check_barrier_slots,
     check_cluster_conf,
     cuda_visible_devices,
+    estimate_barrier_slots,
     place_local,
     place_on_cluster,
 )
@@ -125,3 +126,22 @@ def test_non_local_master_without_authentication_warns_once():
     assert check_cluster_conf(
         {"spark.master": "yarn", "spark.authenticate": "true"}, key) == []
     assert check_cluster_conf({"spark.master": "local-cluster[2,1,1024]"}, key) == []
+
+
+@pytest.mark.parametrize(
+    ("conf", "slots"),
+    [
+        ({"spark.master": "local"}, 1),
+        ({"spark.master": "local[4]"}, 4),
+        ({"spark.master": "local[4]", "spark.task.cpus": "2"}, 2),
+        ({"spark.master": "local[*]"}, None),
+        ({"spark.master": "local-cluster[2,1,1024]"}, 2),
+        ({"spark.master": "local-cluster[2, 4, 1024]", "spark.task.cpus": "2"}, 4),
+        ({"spark.master": "yarn"}, None),
+        ({"spark.master": "yarn", "spark.executor.instances": "3",
+          "spark.executor.cores": "8", "spark.executor.resource.gpu.amount": "2",
+          GPU: "1"}, 6),
+    ],
+)
+def test_barrier_slots_estimated_from_conf(conf, slots):
+    assert estimate_barrier_slots(conf) == slots
