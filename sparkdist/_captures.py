@@ -142,7 +142,7 @@ class _Counter:
 def _pickled_size(obj: Any) -> int:
     counter = _Counter()
     try:
-        cloudpickle.Pickler(counter, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+        _payload._FilenameKeepingPickler(counter, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     except Exception:  # noqa: BLE001 - dumps_job pickled the whole job; this part is tiny
         return 0
     return counter.size

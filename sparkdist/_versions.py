@@ -236,7 +236,7 @@ def refusal_message(refusals: Sequence[Refusal], num_nodes: int) -> str:
         refused_nodes = {refusal.node for refusal in refusals}
         started = (
             "no rank process was started" if len(refused_nodes) >= num_nodes else
-            "these hosts started no rank (the ranks of the other hosts were stopped)"
+            "these hosts started no rank (any rank started on another host was stopped)"
         )
         parts.append(
             "the hosts that would run the ranks do not have the packages this run needs, so "

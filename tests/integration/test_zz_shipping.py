@@ -229,3 +229,14 @@ def test_a_refusal_with_dataframe_input_does_not_hang(spark_cluster):
         Distributor(2, local_mode=False, use_gpu=False, requirements=["numpy==1.0.0"]).run(
             lambda: 1, spark_dataframe=frame)
     assert not run_processes()
+
+
+def test_a_detached_node_refuses_through_its_task_error(spark_cluster, monkeypatch):
+    monkeypatch.setenv("SPARKDIST_CONTROL_CHANNEL", "off")  # executors "cannot reach" us
+    with pytest.raises(ClusterError) as info:
+        Distributor(2, local_mode=False, use_gpu=False, requirements=["numpy==1.0.0"]).run(
+            lambda: 1)
+    [numpy_row] = [line for line in str(info.value).splitlines() if " numpy " in line]
+    assert "==1.0.0 (pinned)" in numpy_row and numpy_row.rstrip().endswith(np.__version__)
+    assert "SPARKDIST-REFUSAL" not in str(info.value)  # the driver decoded it
+    assert not run_processes()

@@ -246,7 +246,7 @@ def test_every_nodes_refusal_makes_one_table():
     assert [line.split()[0] for line in table] == ["hostA", "hostB"]
     assert text.endswith("host C has no H100")
     partial = refusal_message(monitor.refusals[:1], 2)
-    assert "these hosts started no rank (the ranks of the other hosts were stopped)" in partial
+    assert "these hosts started no rank (any rank started on another host was stopped)" in partial
     # Without version rows the message is the reasons, as before.
     assert refusal_message([Refusal(0, "h", "no GPU", ())], 1) == "no GPU"
 
