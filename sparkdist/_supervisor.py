@@ -66,6 +66,7 @@ class RunMonitor:
         # workers' start-up. The rendezvous waits until every hold is released.
         self.rank_env: dict[str, str] = {}
         self.holds = 0
+        self.rendezvous_sent = False
         # DataFrame input: rows each rank got, reported by the agents after writing them.
         self.rows: dict[int, int] = {}
         self.expects_rows = False
@@ -103,10 +104,7 @@ class RunMonitor:
             if kind == "hello":
                 peer.node = int(message["node"])
                 self.node_hosts[peer.node] = str(message.get("host", ""))
-                # An agent that connects late still learns what the others already know.
-                rendezvous = self._rendezvous()
-                if rendezvous is not None:
-                    peer.send(rendezvous)
+                self._broadcast_rendezvous()  # goes out once the last node said hello
                 if self.abort_reason is not None:
                     peer.send({"t": "abort", "reason": self.abort_reason})
             elif kind == "store":
@@ -181,13 +179,16 @@ class RunMonitor:
         self._broadcast_rendezvous()
 
     def _rendezvous(self) -> Message | None:
-        if self.store_port is None or self.holds:
+        # Every node must have said hello (an agent does so only after its checks passed):
+        # no rank may start training while another node could still refuse the run.
+        if self.store_port is None or self.holds or len(self.node_hosts) < self.num_nodes:
             return None
         return {"t": "rendezvous", "master_port": self.store_port, "env": self.rank_env}
 
     def _broadcast_rendezvous(self) -> None:
         message = self._rendezvous()
-        if message is not None:
+        if message is not None and not self.rendezvous_sent:
+            self.rendezvous_sent = True
             self._broadcast(message)
 
     def on_disconnect(self, peer: Peer) -> None:
