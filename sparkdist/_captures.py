@@ -22,10 +22,7 @@ import os
 import pickle
 import shutil
 import tempfile
-from collections.abc import Iterator
 from typing import Any
-
-import cloudpickle
 
 from sparkdist import _payload, _spark
 from sparkdist._errors import ConfigError
@@ -87,7 +84,7 @@ def largest_captures(job: Job) -> list[tuple[str, Any, int]]:
         roots += list(_payload._children(job.name, fn))
     roots += [(f"argument {i}", a) for i, a in enumerate(job.args)]
     roots += [(f"keyword argument {k!r}", v) for k, v in job.kwargs.items()]
-    with _pickling_like_the_job(job):
+    with _payload.pickling_like_a_job(job):
         sized = [(where, obj, _pickled_size(obj)) for where, obj in roots]
         sized.sort(key=lambda item: -item[2])
         return [_narrow(*item) for item in sized[:NAMED]]
@@ -106,25 +103,6 @@ def _narrow(where: str, obj: Any, size: int, depth: int = 0) -> tuple[str, Any, 
     if best is not None and best[2] >= size / 2 and best[1] is not obj:
         return _narrow(*best, depth=depth + 1)
     return where, obj, size
-
-
-@contextlib.contextmanager
-def _pickling_like_the_job(job: Job) -> Iterator[None]:
-    """Measure as ``dumps_job`` pickles: the function's own module by value."""
-    module = _payload._module_to_ship(job.fn) if job.fn is not None else None
-    with _payload._BY_VALUE_LOCK:
-        registered = False
-        if module is not None:
-            try:
-                cloudpickle.register_pickle_by_value(module)
-                registered = True
-            except ValueError:
-                pass
-        try:
-            yield
-        finally:
-            if registered and module is not None:
-                cloudpickle.unregister_pickle_by_value(module)
 
 
 class _Counter:

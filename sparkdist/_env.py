@@ -78,7 +78,7 @@ def worker_env(
     cuda_visible_devices: str | None,
     mode: str,
     host: str,
-    extra: Mapping[str, str] = {},  # noqa: B006 - never mutated
+    extra: Mapping[str, str] = {},
 ) -> dict[str, str]:
     """Build the full environment of one worker process.
 

@@ -10,6 +10,7 @@ Non-goals: transport. Files, Spark rows and pipes are the callers' business.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import importlib
 import io
@@ -109,15 +110,7 @@ def dumps_job(job: Job, on_object: Callable[[Any], None] | None = None) -> bytes
     Raises:
         ConfigError: naming the object inside the job that cannot be pickled.
     """
-    module = _module_to_ship(job.fn) if job.fn is not None else None
-    with _BY_VALUE_LOCK:
-        registered = False
-        if module is not None:
-            try:
-                cloudpickle.register_pickle_by_value(module)
-                registered = True
-            except ValueError:
-                pass
+    with pickling_like_a_job(job):
         try:
             buffer = io.BytesIO()
             if on_object is None:
@@ -128,6 +121,23 @@ def dumps_job(job: Job, on_object: Callable[[Any], None] | None = None) -> bytes
         except Exception as exc:
             where, culprit = _find_unpicklable(job)
             raise ConfigError(_unpicklable_message(job, where, culprit, exc)) from exc
+
+
+@contextlib.contextmanager
+def pickling_like_a_job(job: Job) -> Iterator[None]:
+    """Within this block, cloudpickle treats the job's function module as ``dumps_job`` does:
+    by value (unless it is an installed package). Also used to measure captured objects."""
+    module = _module_to_ship(job.fn) if job.fn is not None else None
+    with _BY_VALUE_LOCK:
+        registered = False
+        if module is not None:
+            try:
+                cloudpickle.register_pickle_by_value(module)
+                registered = True
+            except ValueError:
+                pass
+        try:
+            yield
         finally:
             if registered and module is not None:
                 cloudpickle.unregister_pickle_by_value(module)

@@ -255,7 +255,7 @@ class Submission:
         self._stage = None
         work: Callable[[], list[Outcome]]
         if local_mode:
-            work = lambda: run_agent(template)  # noqa: E731
+            work = lambda: run_agent(template)
         else:
             if dataframe is not None:
                 monitor.expect_rows()
@@ -263,7 +263,7 @@ class Submission:
                 session, template, placement.num_tasks, placement.use_gpu, dataframe
             )
             stage = self._stage
-            work = lambda: [loads(row) for row in stage.collect()]  # noqa: E731
+            work = lambda: [loads(row) for row in stage.collect()]
         self._thread = threading.Thread(
             target=self._run, args=(work,), name=f"sparkdist-run-{template.run_id}", daemon=True
         )

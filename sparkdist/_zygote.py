@@ -52,7 +52,7 @@ def main() -> None:
     socket_path = sys.argv[1]
     # The warm part: what every rank would otherwise import itself.
     import cloudpickle  # noqa: F401
-    import torch  # noqa: F401
+    import torch
     import torch.distributed  # noqa: F401
 
     from sparkdist import _worker  # noqa: F401

@@ -245,11 +245,11 @@ class DeepspeedTorchDistributor(Distributor):
 
     def __init__(
         self,
-        numGpus: int = 1,  # noqa: N803 - pyspark's names
+        numGpus: int = 1,
         nnodes: int = 1,
-        localMode: bool = True,  # noqa: N803
-        useGpu: bool = True,  # noqa: N803
-        deepspeedConfig: Mapping[str, Any] | str | os.PathLike[str] | None = None,  # noqa: N803
+        localMode: bool = True,
+        useGpu: bool = True,
+        deepspeedConfig: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     ) -> None:
         for name, value in (("numGpus", numGpus), ("nnodes", nnodes)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
