@@ -1,0 +1,94 @@
+"""The DDP training loop that ``steady_state.py`` times, under sparkdist and under torchrun.
+
+A small MLP (in 64, two hidden layers, out 1) trained with DDP over gloo on pre-generated
+random batches, so a step is forward, backward (with DDP's gradient all_reduce) and an SGD
+update, and nothing else. Each rank times every step with ``time.perf_counter``; the first
+``warmup`` steps (DDP builds its buckets, allocators warm up) are not kept.
+
+Under torchrun: ``python _train_loop.py OUT.json STEPS WARMUP HIDDEN [report]``; rank 0 writes
+its result to ``OUT.json``.
+
+Non-goals: learning anything (the data is noise), the launch (``launch.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+INPUT_DIM = 64
+BATCH_SIZE = 128
+#: Distinct batches, cycled: generating data is not part of a step.
+NUM_BATCHES = 16
+
+
+def ddp_mlp_steps(steps: int, warmup: int, hidden: int, report: bool = False) -> dict[str, Any]:
+    """Train for ``warmup + steps`` steps; return this rank's kept step times and settings.
+
+    With ``report``, every step also calls ``sparkdist.runtime.report(step, total, loss)``
+    (progress and heartbeat to the driver; a no-op outside sparkdist).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = DistributedDataParallel(nn.Sequential(
+        nn.Linear(INPUT_DIM, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, 1),
+    ))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    generator = torch.Generator().manual_seed(1 + rank)
+    batches = [
+        (torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
+         torch.randn(BATCH_SIZE, 1, generator=generator))
+        for _ in range(NUM_BATCHES)
+    ]
+    report_step = _reporter() if report else None
+    total = warmup + steps
+    step_s: list[float] = []
+    for step in range(total):
+        x, y = batches[step % NUM_BATCHES]
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        if report_step is not None:
+            report_step(step=step, total=total, loss=loss.item())
+        elapsed = time.perf_counter() - started
+        if step >= warmup:
+            step_s.append(elapsed)
+    dist.destroy_process_group()
+    return {
+        "rank": rank,
+        "step_s": step_s,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def _reporter() -> Any:
+    from sparkdist import runtime
+
+    return runtime.report
+
+
+def main(argv: list[str]) -> None:
+    out, steps, warmup, hidden, *rest = argv
+    result = ddp_mlp_steps(int(steps), int(warmup), int(hidden), report=rest == ["report"])
+    if result["rank"] == 0:
+        with open(out, "w", encoding="utf-8") as sink:
+            json.dump(result, sink)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,269 @@
+"""Launch time on a Spark Connect session, beside a classic one and pyspark's TorchDistributor.
+
+Issue 11's benchmark. The job is launch.py's trivial 2-rank one (``_jobs.all_reduce_rank``),
+run as Spark barrier tasks (``local_mode=False``) on two kinds of session, each in a child
+process of its own (a process holds one session kind):
+
+- ``classic``: ``SparkSession.builder.master("local[2]")``;
+- ``connect``: ``SparkSession.builder.remote("local[2]")`` (a local Spark Connect server in
+  the child's JVM; the child is its client).
+
+Launchers, in turns, on each session:
+
+- ``sparkdist``: ``Distributor(2, local_mode=False, use_gpu=False).run(fn)``;
+- ``sparkdist-allgather``: the same with ``SPARKDIST_CONTROL_CHANNEL=off``: the executors do
+  not use the driver's control channel and rendezvous through Spark's barrier ``allGather``
+  (what a cluster that cannot reach the client process gets; output arrives at the end);
+- ``pyspark``: ``pyspark.ml.torch.distributor.TorchDistributor(num_processes=2,
+  local_mode=False, use_gpu=False).run(fn)``, with ``_jobs`` registered by value.
+
+Each launcher runs once untimed (the warm-up: executors' Python workers, sparkdist's pools),
+then ``--runs`` timed runs; figures are medians. Ratios: connect/classic per launcher,
+sparkdist/pyspark per session, and ``allgather_cost_s`` (allGather median minus channel median).
+
+If port 15002 (the local Connect server's default) is taken by someone else's server, the
+child sets ``SPARK_TESTING=1`` so pyspark binds an ephemeral port instead (noted in the JSON).
+
+Usage (see benchmarks/README.md)::
+
+    python benchmarks/connect.py --quick       # 2 runs
+    python benchmarks/connect.py               # 5 runs
+    python benchmarks/connect.py --sessions connect --no-pyspark
+
+Non-goals: DataFrame input over Connect (``dataframe_io.py`` measures the classic path), remote
+Connect servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import _jobs
+from _harness import (
+    Bench,
+    append_records,
+    classic_session,
+    emit,
+    format_table,
+    median,
+    ratio,
+    rounded,
+    seconds,
+    times,
+)
+
+SCRIPT = "connect"
+NUM_PROCESSES = 2
+SESSIONS = ("classic", "connect")
+LAUNCHERS = ("sparkdist", "sparkdist-allgather", "pyspark")
+DEFAULT_RUNS, QUICK_RUNS = 5, 2
+CONNECT_PORT = 15002
+CONTROL_CHANNEL_VAR = "SPARKDIST_CONTROL_CHANNEL"
+
+
+# --- in a child ----------------------------------------------------------------------------
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def connect_session(scratch: Path) -> tuple[Any, str]:
+    """A local Spark Connect server (local[2]) in this process's JVM, and its client session."""
+    from pyspark.sql import SparkSession
+
+    port = "15002"
+    if not port_is_free(CONNECT_PORT):
+        os.environ["SPARK_TESTING"] = "1"  # pyspark then binds, and finds, an ephemeral port
+        port = "ephemeral (15002 was taken)"
+    session = (
+        SparkSession.builder.remote("local[2]")
+        .appName("sparkdist-benchmark-connect")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+        .config("spark.executorEnv.GLOO_SOCKET_IFNAME", "lo")
+        .config("spark.local.dir", str(scratch))
+        .config("spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch}")
+        .getOrCreate()
+    )
+    return session, port
+
+
+@contextlib.contextmanager
+def control_channel_off(off: bool) -> Iterator[None]:
+    previous = os.environ.pop(CONTROL_CHANNEL_VAR, None)
+    if off:
+        os.environ[CONTROL_CHANNEL_VAR] = "off"
+    try:
+        yield
+    finally:
+        os.environ.pop(CONTROL_CHANNEL_VAR, None)
+        if previous is not None:
+            os.environ[CONTROL_CHANNEL_VAR] = previous
+
+
+def launchers(session: Any, with_pyspark: bool) -> dict[str, Callable[[], Any]]:
+    from sparkdist import Distributor
+
+    distributor = Distributor(NUM_PROCESSES, local_mode=False, use_gpu=False, spark=session)
+
+    def sparkdist(off: bool) -> Callable[[], Any]:
+        def call() -> Any:
+            with control_channel_off(off):
+                return distributor.run(_jobs.all_reduce_rank)
+
+        return call
+
+    calls = {"sparkdist": sparkdist(False), "sparkdist-allgather": sparkdist(True)}
+    if with_pyspark:
+        from pyspark import cloudpickle as pyspark_cloudpickle
+        from pyspark.ml.torch.distributor import TorchDistributor
+
+        torch_distributor = TorchDistributor(
+            num_processes=NUM_PROCESSES, local_mode=False, use_gpu=False)
+
+        def pyspark() -> Any:
+            # pyspark's workers cannot import the benchmark's modules (sparkdist ships them).
+            pyspark_cloudpickle.register_pickle_by_value(_jobs)
+            try:
+                return torch_distributor.run(_jobs.all_reduce_rank)
+            finally:
+                pyspark_cloudpickle.unregister_pickle_by_value(_jobs)
+
+        calls["pyspark"] = pyspark
+    return calls
+
+
+def run_child(args: argparse.Namespace) -> None:
+    if args.child == "connect":
+        session, port = connect_session(Path.cwd())
+    else:
+        session, port = classic_session("local[2]", "sparkdist-benchmark-connect",
+                                        Path.cwd()), "-"
+    try:
+        calls = launchers(session, args.pyspark)
+        for index in range(args.runs + 1):  # round 0: the warm-up
+            for launcher, call in calls.items():
+                started = time.perf_counter()
+                value = call()
+                elapsed = time.perf_counter() - started
+                if value != 0:
+                    raise RuntimeError(f"{launcher} returned {value!r}, expected rank 0's 0")
+                append_records(args.results, [{
+                    "session": args.child, "launcher": launcher, "round": index,
+                    "seconds": elapsed, "connect_port": port}])
+    finally:
+        session.stop()
+
+
+# --- the parent ----------------------------------------------------------------------------
+
+
+def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    figures: list[dict[str, Any]] = []
+    medians: dict[tuple[str, str], float | None] = {}
+    for session in SESSIONS:
+        for launcher in LAUNCHERS:
+            trials = [s for s in samples if s["session"] == session
+                      and s["launcher"] == launcher]
+            if not trials:
+                continue
+            kept = [t["seconds"] for t in trials if t["round"] > 0]
+            warmup = [t["seconds"] for t in trials if t["round"] == 0]
+            medians[(session, launcher)] = median(kept)
+            figures.append({
+                "figure": "launch_s", "session": session, "launcher": launcher,
+                "median": rounded(median(kept)), "runs": [rounded(k) for k in kept],
+                "warmup": rounded(warmup[0]) if warmup else None,
+                "connect_port": trials[0]["connect_port"],
+            })
+    for launcher in LAUNCHERS:
+        value = ratio(medians.get(("connect", launcher)), medians.get(("classic", launcher)))
+        if value is not None:
+            figures.append({"figure": "launch_s_ratio", "launcher": launcher,
+                            "what": "connect/classic", "value": rounded(value, 3)})
+    for session in SESSIONS:
+        for launcher in ("sparkdist", "sparkdist-allgather"):
+            value = ratio(medians.get((session, launcher)), medians.get((session, "pyspark")))
+            if value is not None:
+                figures.append({"figure": "launch_s_ratio", "session": session,
+                                "what": f"{launcher}/pyspark", "value": rounded(value, 3)})
+        on, off = medians.get((session, "sparkdist")), medians.get(
+            (session, "sparkdist-allgather"))
+        if on is not None and off is not None:
+            figures.append({"figure": "allgather_cost_s", "session": session,
+                            "value": rounded(off - on)})
+    return figures
+
+
+def table(figures: list[dict[str, Any]]) -> str:
+    launch = {(f["session"], f["launcher"]): f for f in figures if f["figure"] == "launch_s"}
+    rows = []
+    for launcher in LAUNCHERS:
+        classic, connect = launch.get(("classic", launcher)), launch.get(("connect", launcher))
+        if classic is None and connect is None:
+            continue
+        c_med = classic["median"] if classic else None
+        r_med = connect["median"] if connect else None
+        vs_pyspark = ratio(r_med, (launch.get(("connect", "pyspark")) or {}).get("median"))
+        notes = []
+        for name, figure in (("classic", classic), ("connect", connect)):
+            if figure:
+                notes.append(f"{name} warm-up {seconds(figure['warmup'], 2)}, runs "
+                             + " ".join(f"{r:.2f}" for r in figure["runs"]))
+        rows.append((launcher, seconds(c_med), seconds(r_med), times(ratio(r_med, c_med)),
+                     times(vs_pyspark) if launcher != "pyspark" else "-", "; ".join(notes)))
+    return format_table(("launcher", "classic local[2]", "connect local[2]", "connect/classic",
+                         "vs pyspark on connect", "notes"), rows)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=None,
+                        help=f"timed runs per launcher (default {DEFAULT_RUNS}, {QUICK_RUNS} "
+                        "with --quick), after one warm-up")
+    parser.add_argument("--sessions", nargs="+", choices=SESSIONS, default=list(SESSIONS))
+    parser.add_argument("--no-pyspark", dest="pyspark", action="store_false",
+                        help="skip pyspark's TorchDistributor")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.runs is None:
+        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
+    if args.runs < 1:
+        parser.error("--runs must be at least 1")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.child:
+        run_child(args)
+        return
+    common = ["--runs", str(args.runs)] + ([] if args.pyspark else ["--no-pyspark"])
+    samples = []
+    with Bench(SCRIPT) as bench:
+        for session in args.sessions:
+            samples += bench.child(session, common, budget_s=300 + (args.runs + 1) * 3 * 90)
+    figures = summarize(samples)
+    emit([*figures, bench.machine(runs=args.runs)], table(figures))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main(sys.argv[1:])
