@@ -530,8 +530,10 @@ class _Agent:
         wall = (worker.ended or time.monotonic()) - worker.started
         value_file = _worker.value_path(run_dir, seat.rank)
         failure_file = _worker.failure_path(run_dir, seat.rank)
+        # Our kill shows as SIGKILL; a rank that died of something else (a segfault) just
+        # before we reached it failed on its own.
         killed_by_us = (
-            worker.killed and code is not None and code < 0 and worker.hung_for_s is None
+            worker.killed and code == -signal.SIGKILL and worker.hung_for_s is None
         )
         if code == 0 and os.path.exists(value_file):
             with open(value_file, "rb") as f:

@@ -331,9 +331,11 @@ def supervise(
                 deadlines.append(start_deadline)
             monitor.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
     with monitor.changed:
-        monitor.changed.wait_for(
-            lambda: len(monitor.byes) >= monitor.num_nodes, timeout=OUTPUT_DRAIN_S
-        )
+        # A finished stage's agents have reaped their ranks; only nodes that reached the
+        # channel say bye (detached ones never connect). After a failed stage, give every
+        # node's agent the full drain time: Spark stops the other tasks asynchronously.
+        expected = monitor.num_nodes if submission.error is not None else len(monitor.node_hosts)
+        monitor.changed.wait_for(lambda: len(monitor.byes) >= expected, timeout=OUTPUT_DRAIN_S)
     # Every node's refusal in one message (the wait for the byes above let them all arrive).
     refusals = monitor.refusals + refusals_in(submission.error)
     if refusals:
