@@ -195,11 +195,6 @@ def loads(data: bytes) -> Any:
     return cloudpickle.loads(data)
 
 
-def dumps_value(value: Any) -> bytes:
-    """Pickle a rank's return value."""
-    return bytes(cloudpickle.dumps(value))
-
-
 def _module_to_ship(fn: Callable[..., Any]) -> types.ModuleType | None:
     name = getattr(fn, "__module__", None)
     if not name or name == "__main__" or name.split(".")[0] == "sparkdist":
