@@ -4,8 +4,8 @@ Importing sparkdist imports none of torch, pyspark, deepspeed or mlflow; they lo
 """
 
 from sparkdist import runtime
-from sparkdist._config import Mode
-from sparkdist._errors import (
+from sparkdist._core.config import Mode
+from sparkdist._core.errors import (
     ClusterError,
     ConfigError,
     RankFailure,
@@ -14,8 +14,8 @@ from sparkdist._errors import (
     SparkdistError,
     WorkerFailedError,
 )
-from sparkdist._gpu_type import GPUType
-from sparkdist._result import RunResult
+from sparkdist._core.gpu_type import GPUType
+from sparkdist._core.result import RunResult
 from sparkdist.decorator import distributed
 from sparkdist.distributor import DeepspeedTorchDistributor, Distributor, TorchDistributor
 

@@ -24,14 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparkdist._cli_parser import build_parser, script_args
-from sparkdist._config import Mode, load_deepspeed_config
-from sparkdist._errors import (
+from sparkdist._core.config import Mode, load_deepspeed_config
+from sparkdist._core.errors import (
     ConfigError,
     RunTimeoutError,
     SparkdistError,
     WorkerFailedError,
 )
+from sparkdist._frontdoors.cli_parser import build_parser, script_args
 
 if TYPE_CHECKING:
     from sparkdist.distributor import Distributor
@@ -107,7 +107,7 @@ def run_request(args: argparse.Namespace) -> RunRequest:
     Raises:
         ConfigError: the arguments contradict each other or a file is unusable.
     """
-    from sparkdist._session import parse_assignment
+    from sparkdist._backends.session import parse_assignment
 
     spark_conf = dict(parse_assignment(item, "--conf") for item in args.conf)
     if spark_conf and args.master is None:
@@ -185,7 +185,7 @@ def execute(request: RunRequest) -> int:
     try:
         distributor = make_distributor(request)  # bad values fail before Spark starts
         if request.master is not None:
-            from sparkdist._session import create_session
+            from sparkdist._backends.session import create_session
 
             session = distributor.spark = create_session(request.master, request.spark_conf)
         if request.module:
@@ -222,10 +222,10 @@ def exit_code_of(error: BaseException) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from sparkdist._doctor import run_checks
-    from sparkdist._doctor_spark import SPARK_PROBE_TIMEOUT_S
-    from sparkdist._doctor_table import format_checks, has_problem
-    from sparkdist._session import parse_assignment
+    from sparkdist._backends.session import parse_assignment
+    from sparkdist._doctor.checks import run_checks
+    from sparkdist._doctor.spark import SPARK_PROBE_TIMEOUT_S
+    from sparkdist._doctor.table import format_checks, has_problem
 
     overrides = dict(parse_assignment(item, "--conf") for item in args.conf)
     checks = run_checks(

@@ -85,8 +85,9 @@ def partition_dataset(
 class PartitionDataset:
     """See ``partition_dataset``. Safe with DataLoader workers: each process maps the file."""
 
-    def __init__(self, columns: Sequence[str] | None, equalize: str | None,
-                 float_dtype: Any) -> None:
+    def __init__(
+        self, columns: Sequence[str] | None, equalize: str | None, float_dtype: Any
+    ) -> None:
         import torch
 
         self._path = _partition_file()
@@ -135,11 +136,14 @@ class PartitionDataset:
             batches = table.to_batches()
             converters, starts, offset = [], [], 0
             for batch in batches:
-                converters.append([
-                    _converter(name, batch.schema.field(name).type)(
-                        batch.column(name), self._float_dtype)
-                    for name in self.columns
-                ])
+                converters.append(
+                    [
+                        _converter(name, batch.schema.field(name).type)(
+                            batch.column(name), self._float_dtype
+                        )
+                        for name in self.columns
+                    ]
+                )
                 starts.append(offset)
                 offset += batch.num_rows
             self._state = (os.getpid(), (converters, starts))
@@ -155,17 +159,25 @@ def _converter(name: str, arrow_type: Any) -> Any:
     """A factory (array, float_dtype) -> (row index -> tensor) for one column's type."""
     import pyarrow as pa
 
-    if pa.types.is_integer(arrow_type) or pa.types.is_floating(arrow_type) or (
-        pa.types.is_boolean(arrow_type)
+    if (
+        pa.types.is_integer(arrow_type)
+        or pa.types.is_floating(arrow_type)
+        or (pa.types.is_boolean(arrow_type))
     ):
         return _scalars
-    if (pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
-            or pa.types.is_fixed_size_list(arrow_type)):
+    if (
+        pa.types.is_list(arrow_type)
+        or pa.types.is_large_list(arrow_type)
+        or pa.types.is_fixed_size_list(arrow_type)
+    ):
         inner = arrow_type.value_type
         if pa.types.is_integer(inner) or pa.types.is_floating(inner):
             return _arrays
     if pa.types.is_struct(arrow_type) and {f.name for f in arrow_type} >= {
-        "type", "size", "indices", "values"
+        "type",
+        "size",
+        "indices",
+        "values",
     }:
         return _ml_vectors
     raise ValueError(
@@ -200,9 +212,9 @@ def _arrays(array: Any, float_dtype: Any) -> Any:
     def get(i: int) -> Any:
         if offsets is None:  # fixed-size lists: the type gives the width
             assert width is not None
-            piece = flat[i * width:(i + 1) * width]
+            piece = flat[i * width : (i + 1) * width]
         else:
-            piece = flat[offsets[i] - offsets[0]:offsets[i + 1] - offsets[0]]
+            piece = flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]]
         tensor = torch.as_tensor(np.array(piece))
         return tensor.to(float_dtype) if floating else tensor
 

@@ -24,16 +24,16 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from sparkdist._config import (
+from sparkdist._core.config import (
     DEFAULT_START_TIMEOUT_S,
     LaunchConfig,
     Mode,
     load_deepspeed_config,
 )
-from sparkdist._errors import ConfigError
-from sparkdist._gpu_type import GPUType
-from sparkdist._launcher import Launch
-from sparkdist._placement import TASK_GPU_KEY
+from sparkdist._core.errors import ConfigError
+from sparkdist._core.gpu_type import GPUType
+from sparkdist._core.placement import TASK_GPU_KEY
+from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
 
 __all__ = ["DistributedFunction", "DistributedRun", "GPUType", "distributed"]
@@ -264,7 +264,9 @@ class DistributedFunction(Generic[P, R]):
             logger.warning(
                 "sparkdist: %s runs on %d CPU process(es) with gloo: %s; pass use_gpu=False "
                 "to choose CPU explicitly and silence this warning",
-                self.__qualname__, self.gpus, where,
+                self.__qualname__,
+                self.gpus,
+                where,
             )
         return launch
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkdist._config import (
+from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
@@ -21,13 +21,13 @@ from sparkdist._config import (
     Mode,
     load_deepspeed_config,
 )
-from sparkdist._errors import ConfigError
-from sparkdist._gpu_type import GPUType
-from sparkdist._launcher import launch
-from sparkdist._payload import Job, TargetKind
-from sparkdist._placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
-from sparkdist._result import RunResult
-from sparkdist._versions import parse_requirements
+from sparkdist._core.errors import ConfigError
+from sparkdist._core.gpu_type import GPUType
+from sparkdist._core.placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
+from sparkdist._core.result import RunResult
+from sparkdist._core.versions import parse_requirements
+from sparkdist._engine.launch import launch
+from sparkdist._wire.payload import Job, TargetKind
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
 
@@ -170,9 +170,9 @@ class Distributor:
         Raises:
             WorkerFailedError: a rank raised, exited non-zero or was killed.
         """
-        return self.run_all(
-            train_object, *args, spark_dataframe=spark_dataframe, **kwargs
-        ).values[0]
+        return self.run_all(train_object, *args, spark_dataframe=spark_dataframe, **kwargs).values[
+            0
+        ]
 
     def run_all(
         self,
@@ -191,7 +191,10 @@ class Distributor:
         )
 
     def _train_on_dataframe(
-        self, train_function: Callable[..., Any], spark_dataframe: Any, *args: Any,
+        self,
+        train_function: Callable[..., Any],
+        spark_dataframe: Any,
+        *args: Any,
         **kwargs: Any,
     ) -> Any:
         """pyspark's private ``TorchDistributor._train_on_dataframe``, for compatibility:

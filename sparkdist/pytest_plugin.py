@@ -48,10 +48,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from sparkdist import _pytest_support as support
+from sparkdist._frontdoors import pytest_support as support
 
 if TYPE_CHECKING:
-    from sparkdist._result import RunResult
+    from sparkdist._core.result import RunResult
 
 __all__ = ["DistributedRunner"]
 
@@ -88,35 +88,51 @@ _STATE = pytest.StashKey[_State]()
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("sparkdist", "sparkdist: distributed training tests")
     group.addoption(
-        "--sparkdist-mode", choices=MODES, default=None,
+        "--sparkdist-mode",
+        choices=MODES,
+        default=None,
         help="run the tests' `distributed` runs on this machine (local, the default) or as "
-             "Spark barrier stages on the `spark` session (spark). ini: sparkdist_mode",
+        "Spark barrier stages on the `spark` session (spark). ini: sparkdist_mode",
     )
     group.addoption(
-        "--sparkdist-spark-master", default=None, metavar="MASTER",
+        "--sparkdist-spark-master",
+        default=None,
+        metavar="MASTER",
         help=f"master of the `spark` fixture ('local' = {support.DEFAULT_MASTER}, 'cluster' = "
-             f"{support.CLUSTER_MASTER}; default local, or cluster when a selected test is "
-             "marked spark_cluster). ini: sparkdist_spark_master",
+        f"{support.CLUSTER_MASTER}; default local, or cluster when a selected test is "
+        "marked spark_cluster). ini: sparkdist_spark_master",
     )
     group.addoption(
-        "--sparkdist-timeout", type=float, default=None, metavar="SECONDS",
+        "--sparkdist-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
         help=f"limit of each `distributed` run (default {support.DEFAULT_TIMEOUT_S:g}); a run "
-             "past it fails its test and every rank is stopped. ini: sparkdist_timeout",
+        "past it fails its test and every rank is stopped. ini: sparkdist_timeout",
     )
     parser.addini("sparkdist_mode", "local or spark (see --sparkdist-mode)", default="local")
     parser.addini("sparkdist_spark_master", "see --sparkdist-spark-master", default="")
-    parser.addini("sparkdist_timeout", "see --sparkdist-timeout",
-                  default=str(support.DEFAULT_TIMEOUT_S))
-    parser.addini("sparkdist_spark_conf", "extra Spark conf of the `spark` fixture, key=value "
-                  "lines", type="linelist", default=[])
+    parser.addini(
+        "sparkdist_timeout", "see --sparkdist-timeout", default=str(support.DEFAULT_TIMEOUT_S)
+    )
+    parser.addini(
+        "sparkdist_spark_conf",
+        "extra Spark conf of the `spark` fixture, key=value lines",
+        type="linelist",
+        default=[],
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped, with the reason, "
-                            "where there is none)")
+    config.addinivalue_line(
+        "markers", "gpu: needs a CUDA GPU (skipped, with the reason, where there is none)"
+    )
     config.addinivalue_line("markers", "multi_gpu(n): needs n CUDA GPUs (skipped where fewer)")
-    config.addinivalue_line("markers", "spark_cluster: runs its `distributed` runs in Spark "
-                            "mode on a local-cluster master (separate executor JVMs)")
+    config.addinivalue_line(
+        "markers",
+        "spark_cluster: runs its `distributed` runs in Spark "
+        "mode on a local-cluster master (separate executor JVMs)",
+    )
     mode = config.getoption("sparkdist_mode") or str(config.getini("sparkdist_mode")).strip()
     if mode not in MODES:
         raise pytest.UsageError(f"sparkdist_mode = {mode!r}; use one of {', '.join(MODES)}")
@@ -132,8 +148,11 @@ def pytest_configure(config: pytest.Config) -> None:
         spark_conf = support.parse_spark_conf(list(config.getini("sparkdist_spark_conf")))
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from exc
-    requested = (config.getoption("sparkdist_spark_master")
-                 or str(config.getini("sparkdist_spark_master")).strip() or None)
+    requested = (
+        config.getoption("sparkdist_spark_master")
+        or str(config.getini("sparkdist_spark_master")).strip()
+        or None
+    )
     # A fresh marker for every session, nested ones included: a pytest run started by a test
     # must not count as (or be killed by) the session that started it.
     state = _State(
@@ -166,7 +185,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if state.mode == "local" and state.requested_master is None:
         return None
     master = state.requested_master or (
-        f"{support.DEFAULT_MASTER} ({support.CLUSTER_MASTER} with spark_cluster tests)")
+        f"{support.DEFAULT_MASTER} ({support.CLUSTER_MASTER} with spark_cluster tests)"
+    )
     return f"sparkdist: distributed runs in {state.mode} mode, Spark master {master}"
 
 
@@ -191,14 +211,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if cuda.count == 0:
                 item.add_marker(pytest.mark.skip(reason=f"needs {what}: {cuda.why_none}"))
             elif cuda.count < needed:
-                item.add_marker(pytest.mark.skip(
-                    reason=f"needs {what}, {cuda.count} visible here"))
-        if (item.get_closest_marker("spark_cluster") is not None and state.requested_master
-                and not support.is_cluster_master(state.master)):
-            item.add_marker(pytest.mark.skip(
-                reason=f"marked spark_cluster, but this session's Spark master is "
-                       f"{state.master!r} (--sparkdist-spark-master); use 'cluster' or drop "
-                       "the option"))
+                item.add_marker(pytest.mark.skip(reason=f"needs {what}, {cuda.count} visible here"))
+        if (
+            item.get_closest_marker("spark_cluster") is not None
+            and state.requested_master
+            and not support.is_cluster_master(state.master)
+        ):
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"marked spark_cluster, but this session's Spark master is "
+                    f"{state.master!r} (--sparkdist-spark-master); use 'cluster' or drop "
+                    "the option"
+                )
+            )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -222,8 +247,10 @@ def spark_fixture(request: pytest.FixtureRequest) -> Iterator[Any]:
     try:
         session = sessions.get()
     except ImportError as exc:
-        pytest.fail(f"the spark fixture needs pyspark ({exc}); pip install 'sparkdist[spark]'",
-                    pytrace=False)
+        pytest.fail(
+            f"the spark fixture needs pyspark ({exc}); pip install 'sparkdist[spark]'",
+            pytrace=False,
+        )
     except support.SparkSessionConflict as exc:
         pytest.fail(str(exc), pytrace=False)
     yield session
@@ -237,8 +264,11 @@ def no_rank_leftovers_fixture(request: pytest.FixtureRequest) -> Iterator[None]:
     survivors = support.reap_rank_processes(request.config.stash[_STATE].session_marker)
     if survivors:
         listing = "\n".join(f"  {proc}" for proc in survivors)
-        pytest.fail(f"{len(survivors)} process(es) of a distributed run outlived the test "
-                    f"(now killed):\n{listing}", pytrace=False)
+        pytest.fail(
+            f"{len(survivors)} process(es) of a distributed run outlived the test "
+            f"(now killed):\n{listing}",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(name="distributed")
@@ -357,13 +387,14 @@ class DistributedRunner:
     def run_all(self, train_object: Any, *args: Any, **kwargs: Any) -> RunResult:
         """Like calling the runner, but return the whole ``RunResult``."""
         __tracebackhide__ = True
-        from sparkdist._errors import RunTimeoutError, SparkdistError
-        from sparkdist._launcher import Launch
+        from sparkdist._core.errors import RunTimeoutError, SparkdistError
+        from sparkdist._engine.launch import Launch
         from sparkdist.distributor import make_job
 
         distributor = self._distributor
-        run = Launch(distributor.config, make_job(train_object, args, kwargs),
-                     session=distributor.spark)
+        run = Launch(
+            distributor.config, make_job(train_object, args, kwargs), session=distributor.spark
+        )
         self.run_ids.append(run.run_id)
         try:
             # The engine enforces timeout_s itself; the margin only guards against a stop

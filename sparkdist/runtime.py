@@ -177,7 +177,7 @@ def restart_count() -> int:
 def heartbeat() -> None:
     """Tell the launcher this rank is alive (for ``heartbeat_timeout_s``); cheap, no-op
     outside a sparkdist rank."""
-    from sparkdist import _worker
+    from sparkdist._node import worker as _worker
 
     _worker.send_to_agent({"t": "beat"})
 
@@ -191,18 +191,21 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
     Example:
         >>> runtime.report(step=10, total=100, loss=0.25)
     """
-    from sparkdist import _worker
+    from sparkdist._node import worker as _worker
 
     clean = {
-        str(k): float(v) for k, v in metrics.items()
+        str(k): float(v)
+        for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
-    _worker.send_to_agent({
-        "t": "report",
-        "step": int(step) if step is not None else None,
-        "total": int(total) if total is not None else None,
-        "metrics": clean,
-    })
+    _worker.send_to_agent(
+        {
+            "t": "report",
+            "step": int(step) if step is not None else None,
+            "total": int(total) if total is not None else None,
+            "metrics": clean,
+        }
+    )
 
 
 # -- checkpoints ---------------------------------------------------------------------------
@@ -264,7 +267,8 @@ def load_checkpoint(map_location: Any = "cpu") -> Checkpoint | None:
 
     directory = _require_checkpoint_dir()
     steps = sorted(
-        (int(m.group(1)), name) for name in os.listdir(directory)
+        (int(m.group(1)), name)
+        for name in os.listdir(directory)
         if (m := _CHECKPOINT_FILE.match(name))
     )
     if not steps:

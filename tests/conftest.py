@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import sys
 import tempfile
-import shutil
 import time
 import uuid
 from collections.abc import Iterator

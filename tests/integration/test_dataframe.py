@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import run_processes
 from sparkdist import ConfigError, Distributor, WorkerFailedError
+from tests.conftest import run_processes
 
 pytestmark = pytest.mark.spark
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from tests.conftest import run_processes
 from sparkdist import Distributor, RendezvousError, WorkerFailedError
-from sparkdist._config import LaunchConfig
-from sparkdist._launcher import Launch
+from sparkdist._core.config import LaunchConfig
+from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
+from tests.conftest import run_processes
 
 TOTAL_STEPS = 60
 

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from tests.conftest import run_processes
 from sparkdist import (
     ClusterError,
     ConfigError,
@@ -19,6 +18,7 @@ from sparkdist import (
     TorchDistributor,
     WorkerFailedError,
 )
+from tests.conftest import run_processes
 
 
 def all_reduce_rank_sum(scale):
@@ -274,7 +274,7 @@ def test_works_with_no_spark_session(no_spark):
 
 def test_a_long_silence_loses_no_output(monkeypatch, capfd):
     """The channel's send timeout must never apply to reads: a quiet node is not a lost one."""
-    import sparkdist._channel as channel
+    import sparkdist._wire.channel as channel
 
     monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 1.0)
 

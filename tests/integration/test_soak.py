@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass
 import psutil
 import pytest
 
-from sparkdist import Distributor, _pool
+from sparkdist import Distributor
+from sparkdist._node import pool as _pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -90,7 +91,7 @@ def snapshot() -> Snapshot:
         zygote_threads += zygote.num_threads()
     ranks = [p for p in _live(me.children(recursive=True))
              if p.name().startswith("sparkdist-r")
-             or "sparkdist._worker" in " ".join(p.cmdline())]
+             or "sparkdist._node.worker" in " ".join(p.cmdline())]
     return Snapshot(
         fds=len(os.listdir("/proc/self/fd")),
         threads=threading.active_count(),

@@ -6,8 +6,14 @@ import os
 
 import pytest
 
+from sparkdist import (
+    ClusterError,
+    Distributor,
+    RunTimeoutError,
+    TorchDistributor,
+    WorkerFailedError,
+)
 from tests.conftest import run_processes
-from sparkdist import ClusterError, Distributor, RunTimeoutError, TorchDistributor, WorkerFailedError
 
 pytestmark = pytest.mark.spark
 
@@ -70,7 +76,7 @@ def test_timeout_cancels_the_stage(spark_local):
 
 
 def test_more_tasks_than_slots_fails_fast_naming_both_counts(spark_local, monkeypatch):
-    import sparkdist._spark as spark_module
+    import sparkdist._backends.spark_driver as spark_module
 
     monkeypatch.setattr(spark_module, "SLOT_WAIT_S", 0.5)
     with pytest.raises(ClusterError, match="needs 3 task slots at once but the cluster"):
@@ -106,8 +112,8 @@ def test_same_function_through_pysparks_torch_distributor_and_ours(spark_local):
 
 
 def test_gpu_type_is_checked_on_the_executors_before_any_rank_starts(spark_local):
-    from sparkdist._config import LaunchConfig
-    from sparkdist._launcher import launch
+    from sparkdist._core.config import LaunchConfig
+    from sparkdist._engine.launch import launch
     from sparkdist.distributor import make_job
 
     config = LaunchConfig(2, local_mode=False, use_gpu=False, gpu_type="h100")

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from sparkdist import Distributor
-from sparkdist import _pool
+from sparkdist._node import pool as _pool
 
 
 def rank_view():

@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from tests.conftest import run_processes
 from sparkdist import Distributor, RunTimeoutError, WorkerFailedError
+from tests.conftest import run_processes
 
 pytestmark = pytest.mark.spark
 

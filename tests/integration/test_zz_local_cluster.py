@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from tests.conftest import run_processes
 from sparkdist import Distributor, TorchDistributor, WorkerFailedError
+from tests.conftest import run_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
@@ -71,8 +71,8 @@ def test_killed_executor_jvm_fails_the_run_and_leaves_nothing(spark_cluster):
 
     import psutil
 
-    from sparkdist._config import LaunchConfig
-    from sparkdist._launcher import Launch
+    from sparkdist._core.config import LaunchConfig
+    from sparkdist._engine.launch import Launch
     from sparkdist.distributor import make_job
     from tests.conftest import SESSION_MARKER
 

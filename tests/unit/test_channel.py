@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from sparkdist._channel import (
+from sparkdist._wire.channel import (
     MAX_HANDSHAKE_BYTES,
     ChannelClient,
     ChannelClosed,

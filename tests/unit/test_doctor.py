@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sparkdist._doctor import TorchInfo, check_gpus, check_optional, check_torch
-from sparkdist._doctor_spark import (
+from sparkdist._backends.session import read_properties, spark_defaults_path
+from sparkdist._doctor.checks import TorchInfo, check_gpus, check_optional, check_torch
+from sparkdist._doctor.spark import (
     check_gpu_conf,
     check_java,
     find_java,
@@ -17,9 +18,8 @@ from sparkdist._doctor_spark import (
     judge_probe,
     version_line,
 )
-from sparkdist._doctor_table import Check, Status, format_checks, has_problem
-from sparkdist._gpus import Gpu
-from sparkdist._session import read_properties, spark_defaults_path
+from sparkdist._doctor.table import Check, Status, format_checks, has_problem
+from sparkdist._node.gpus import Gpu
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SCRIPT = str(REPO / "conf" / "fakeGpusResources.sh")

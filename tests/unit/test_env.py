@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sparkdist._env import RankSeat, seats_of_node, worker_env
+from sparkdist._core.env import RankSeat, seats_of_node, worker_env
 
 
 def test_seats_of_a_node_are_contiguous_ranks():

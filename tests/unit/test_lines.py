@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sparkdist._lines import MAX_LINE_BYTES, read_lines, split_lines
+from sparkdist._core.lines import MAX_LINE_BYTES, read_lines, split_lines
 
 
 def test_complete_lines_and_the_rest():

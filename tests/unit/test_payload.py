@@ -13,8 +13,8 @@ import pytest
 
 import sparkdist
 from sparkdist import ConfigError, RankFailure, WorkerFailedError
-from sparkdist._errors import ClusterError, RendezvousError, RunTimeoutError
-from sparkdist._payload import Job, Outcome, TargetKind, dumps_job
+from sparkdist._core.errors import ClusterError, RendezvousError, RunTimeoutError
+from sparkdist._wire.payload import Job, Outcome, TargetKind, dumps_job
 
 
 def _round_trip_in_fresh_interpreter(data: bytes) -> str:

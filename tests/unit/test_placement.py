@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sparkdist import ClusterError, ConfigError
-from sparkdist._config import LaunchConfig
-from sparkdist._placement import (
+from sparkdist._core.config import LaunchConfig
+from sparkdist._core.placement import (
     Placement,
     check_barrier_slots,
     check_cluster_conf,

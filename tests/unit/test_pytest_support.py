@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from sparkdist import _pytest_support as support
-from sparkdist._gpus import Gpu
-from sparkdist._pytest_support import SESSION_MARKER_VAR as MARKER
-from sparkdist._pytest_support import _Process
+from sparkdist._frontdoors import pytest_support as support
+from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR as MARKER
+from sparkdist._frontdoors.pytest_support import _Process
+from sparkdist._node.gpus import Gpu
 
 
 @pytest.mark.parametrize(("requested", "wants_cluster", "master"), [

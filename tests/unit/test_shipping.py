@@ -17,20 +17,9 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from sparkdist import ClusterError, ConfigError, _shipping
-from sparkdist._captures import check_job_size, largest_captures
-from sparkdist._config import LaunchConfig
-from sparkdist._payload import Job, TargetKind, dumps_job
-from sparkdist._shipping import (
-    ModuleRecorder,
-    code_imports,
-    pack_local_code,
-    put_code_first,
-    shipped_names,
-    unpack_code,
-)
-from sparkdist._supervisor import RunMonitor
-from sparkdist._versions import (
+from sparkdist import ClusterError, ConfigError
+from sparkdist._core.config import LaunchConfig
+from sparkdist._core.versions import (
     Refusal,
     Requirement,
     check_local,
@@ -42,6 +31,18 @@ from sparkdist._versions import (
     unmet_requirements,
     versions_match,
 )
+from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._shipping.code import (
+    ModuleRecorder,
+    code_imports,
+    pack_local_code,
+    put_code_first,
+    shipped_names,
+    unpack_code,
+)
+from sparkdist._shipping import code as _shipping
+from sparkdist._wire.captures import check_job_size, largest_captures
+from sparkdist._wire.payload import Job, TargetKind, dumps_job
 
 # -- local code ------------------------------------------------------------------------------
 
@@ -120,7 +121,7 @@ def test_referenced_imported_and_transitive_local_modules_ship_and_nothing_else(
 
 def test_modules_the_ranks_already_see_are_not_shipped(local_code):
     assert pack_local_code(["sdu_helper"], visible_dirs=[str(local_code)]) is None
-    assert pack_local_code(["numpy", "json", "sparkdist._payload", "__main__", "nope_xyz"]) is None
+    assert pack_local_code(["numpy", "json", "sparkdist._wire.payload", "__main__", "nope_xyz"]) is None
 
 
 def test_too_much_local_source_is_refused_naming_the_largest(local_code, monkeypatch):

@@ -10,11 +10,11 @@ import time
 import pytest
 
 from sparkdist import ConfigError, RankFailure, RunTimeoutError, WorkerFailedError
-from sparkdist._config import LaunchConfig
-from sparkdist._mlflow_run import outcome_tags, tracking_uri
-from sparkdist._placement import Placement
-from sparkdist._progress import ProgressDisplay
-from sparkdist._tracking import RunTracker, tracking_wanted
+from sparkdist._core.config import LaunchConfig
+from sparkdist._core.placement import Placement
+from sparkdist._tracking.mlflow_run import outcome_tags, tracking_uri
+from sparkdist._tracking.progress import ProgressDisplay
+from sparkdist._tracking.tracker import RunTracker, tracking_wanted
 
 
 @pytest.mark.parametrize(("flag", "env", "wanted"), [

@@ -1,0 +1,66 @@
+"""The doctor's verdicts and the table the CLI prints.
+
+Non-goals: running checks (``_doctor``, ``_doctor_spark``), printing (the CLI prints).
+"""
+
+from __future__ import annotations
+
+import enum
+import textwrap
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class Status(str, enum.Enum):
+    """How a check came out."""
+
+    OK = "OK"
+    NOTE = "NOTE"  # something optional is missing; runs still work
+    PROBLEM = "PROBLEM"  # runs fail until it is fixed
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the doctor's table: what was checked, what was found, and the fix."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str = ""
+
+
+def has_problem(checks: Sequence[Check]) -> bool:
+    """True when a run would fail on this machine as it is."""
+    return any(check.status is Status.PROBLEM for check in checks)
+
+
+def format_checks(checks: Sequence[Check], width: int = 100) -> str:
+    """The table the CLI prints: one row per check, its fix indented below, then a summary."""
+    name_width = max(len("check"), *(len(c.name) for c in checks))
+    status_width = max(len(s.value) for s in Status)
+    indent = " " * (name_width + status_width + 4)
+    wrap_at = max(40, width - len(indent))
+    lines = [f"{'check':<{name_width}}  {'status':<{status_width}}  detail"]
+    lines.append(f"{'-' * name_width}  {'-' * status_width}  {'-' * (wrap_at)}")
+    for check in checks:
+        detail = textwrap.wrap(check.detail, wrap_at) or [""]
+        status = check.status.value
+        lines.append(f"{check.name:<{name_width}}  {status:<{status_width}}  {detail[0]}")
+        lines.extend(indent + more for more in detail[1:])
+        if check.fix:
+            fix = textwrap.wrap("fix: " + check.fix, wrap_at, subsequent_indent="     ")
+            lines.extend(indent + part for part in fix)
+    counts = {status: sum(c.status is status for c in checks) for status in Status}
+    verdict = (
+        "not ready: fix the PROBLEM rows"
+        if counts[Status.PROBLEM]
+        else "ready (NOTE rows are optional)"
+        if counts[Status.NOTE]
+        else "ready"
+    )
+    lines.append("")
+    lines.append(
+        f"{counts[Status.OK]} OK, {counts[Status.NOTE]} note(s), "
+        f"{counts[Status.PROBLEM]} problem(s): {verdict}"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,333 @@
+"""One rank's process: bootstrap, wait for the rendezvous port, run the job, record the outcome.
+
+Started by the agent as ``python -m sparkdist._node.worker`` with the rank's torchrun
+environment and two pipes: commands from the agent (``SPARKDIST_CTRL_IN``) and notices to it
+(``SPARKDIST_CTRL_OUT``), both JSON lines. The worker starts before the rendezvous is complete,
+so its interpreter start-up and imports overlap with the store coming up:
+
+1. rank 0 binds a ``TCPStore`` on an OS-chosen port and keeps it for its whole life (no
+   find-a-free-port race), then tells the agent the port;
+2. every worker unpickles the job while it waits for ``{"t": "rendezvous", "master_port": p}``;
+3. it sets ``MASTER_PORT`` and runs the function, script or module, then destroys a process
+   group the user left open and writes ``rank-N.value`` or ``rank-N.failure`` atomically.
+
+End of file on the command pipe means the agent is gone: the worker kills its own process group
+at once, so no rank outlives its launcher.
+
+Non-goals: output forwarding (the agent reads our stdout/stderr), deciding the environment.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import runpy
+import shutil
+import signal
+import sys
+import threading
+import traceback
+import weakref
+from types import TracebackType
+from typing import Any, BinaryIO
+
+from sparkdist._core.errors import RankFailure
+
+JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
+RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
+CTRL_IN_VAR = "SPARKDIST_CTRL_IN"
+CTRL_OUT_VAR = "SPARKDIST_CTRL_OUT"
+START_TIMEOUT_VAR = "SPARKDIST_START_TIMEOUT_S"
+
+#: The store rank 0 hosts; a module global so it lives exactly as long as the process.
+_store: Any = None
+#: This process's link to its agent (None outside a sparkdist rank); ``runtime`` uses it.
+link: _AgentLink | None = None
+#: The signal on which a rank dumps every thread's Python stack (the hang watchdog sends it).
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def value_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank-{rank}.value")
+
+
+def failure_path(result_dir: str, rank: int) -> str:
+    return os.path.join(result_dir, f"rank-{rank}.failure")
+
+
+class _AgentLink:
+    """The two pipes to the agent."""
+
+    def __init__(self, ctrl_in: int, ctrl_out: int) -> None:
+        self._out: BinaryIO = os.fdopen(ctrl_out, "wb", buffering=0)
+        self._in: BinaryIO = os.fdopen(ctrl_in, "rb")
+        self._lock = threading.Lock()
+        self.master_port: int | None = None
+        self.rendezvous = threading.Event()
+        self.rank_env: dict[str, str] = {}
+        self.run_dir = ""
+        threading.Thread(target=self._read, name="sparkdist-agent-link", daemon=True).start()
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self._lock:
+            try:
+                self._out.write(json.dumps(message).encode() + b"\n")
+            except OSError:
+                pass  # the agent is gone; the reader thread ends the process
+
+    def _read(self) -> None:
+        for line in self._in:
+            message = json.loads(line)
+            if message.get("t") == "rendezvous":
+                self.master_port = int(message["master_port"])
+                self.rank_env = {str(k): str(v) for k, v in message.get("env", {}).items()}
+                self.rendezvous.set()
+        # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
+        # clean up after the run: remove its directory and take our whole process group
+        # (DataLoader workers included) down with us.
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def send_to_agent(message: dict[str, Any]) -> bool:
+    """Send a note to this rank's agent; False outside a sparkdist rank."""
+    if link is None:
+        return False
+    link.send(message)
+    return True
+
+
+def main() -> None:
+    global link
+    faulthandler.enable()  # a segfault in a rank prints its Python stack into its output
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
+    env = os.environ
+    link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
+    rank = int(env["RANK"])
+    result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)
+    job_file = env.pop(JOB_FILE_VAR)
+    start_timeout_s = float(env.pop(START_TIMEOUT_VAR, "300"))
+    try:
+        if rank == 0:
+            link.send({"t": "store", "port": _host_store(env, start_timeout_s)})
+        job = _load_job(job_file)
+        if not link.rendezvous.wait(start_timeout_s):
+            raise TimeoutError(f"rank {rank} got no rendezvous port within {start_timeout_s} s")
+        env.update(link.rank_env)
+        env["MASTER_PORT"] = str(link.master_port)
+        _bind_device(env)
+        _prepare_mode(env)
+        link.send({"t": "ready"})
+        value = _run(job)
+        _destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - every way out of user code is recorded
+        code = _exit_code_of(exc)
+        if code == 0:
+            _write_atomically(value_path(result_dir, rank), _dumps(None))
+            _exit(0)
+        _write_failure(result_dir, rank, exc, code)
+        _exit(code)
+    else:
+        try:
+            data = _dumps(value)
+        except Exception as exc:
+            failure = RuntimeError(
+                f"the return value of rank {rank} ({type(value).__qualname__}) cannot be "
+                f"pickled to send it to the driver: {exc}"
+            )
+            _write_failure(result_dir, rank, failure, 1)
+            _exit(1)
+        _write_atomically(value_path(result_dir, rank), data)
+        _exit(0)
+
+
+def _host_store(env: os._Environ[str], timeout_s: float) -> int:
+    global _store
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined,unused-ignore]
+
+    _store = TCPStore(
+        env["MASTER_ADDR"],
+        0,
+        int(env["WORLD_SIZE"]),
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+    return int(_store.port)
+
+
+def _load_job(path: str) -> Any:
+    import cloudpickle
+
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+
+def _bind_device(env: os._Environ[str]) -> None:
+    """Bind this rank to its GPU (LOCAL_RANK among the visible ones) before user code runs."""
+    if env.get("SPARKDIST_USE_GPU") != "1":
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+
+
+def _prepare_mode(env: os._Environ[str]) -> None:
+    """Check, in the rank's own interpreter, that the mode's machinery is there."""
+    mode = env.get("SPARKDIST_MODE")
+    if mode == "fsdp":
+        try:
+            from torch.distributed.fsdp import fully_shard  # noqa: F401
+        except ImportError:
+            import torch
+
+            raise RuntimeError(
+                f"mode='fsdp' needs FSDP2 (torch.distributed.fsdp.fully_shard, torch >= 2.6) "
+                f"but this rank runs torch {torch.__version__}; upgrade torch or use "
+                "mode='ddp'"
+            ) from None
+
+
+def _deepspeed_argv(env: os._Environ[str]) -> list[str]:
+    """What pyspark's DeepspeedTorchDistributor appends to a script's arguments."""
+    if env.get("SPARKDIST_MODE") != "deepspeed":
+        return []
+    path = env.get("SPARKDIST_DEEPSPEED_CONFIG")
+    return ["--deepspeed", "--deepspeed_config", path] if path else ["--deepspeed"]
+
+
+def _run(job: Any) -> Any:
+    from sparkdist._wire.payload import TargetKind
+
+    if job.kind is TargetKind.FUNCTION:
+        return job.fn(*job.args, **job.kwargs)
+    sys.argv = [job.target, *job.argv, *_deepspeed_argv(os.environ)]
+    if job.kind is TargetKind.SCRIPT:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(job.target)))
+        runpy.run_path(job.target, run_name="__main__")
+    else:
+        runpy.run_module(job.target, run_name="__main__", alter_sys=True)
+    return None
+
+
+def _destroy_process_group() -> None:
+    """Destroy a process group the user left open, so the interpreter exits cleanly."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_code_of(exc: BaseException) -> int:
+    if isinstance(exc, SystemExit):
+        if exc.code is None:
+            return 0
+        if isinstance(exc.code, int):
+            return exc.code
+        return 1  # sys.exit("message"): Python prints it and exits 1
+    return 1
+
+
+def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) -> None:
+    exc_type = type(exc)
+    if isinstance(exc, SystemExit):
+        message = f"exited with code {code}"
+        if not isinstance(exc.code, int) and exc.code is not None:
+            message += f": {exc.code}"
+            print(exc.code, file=sys.stderr)
+        type_name, text = "SystemExit", ""
+    else:
+        message = str(exc)
+        type_name = exc_type.__qualname__
+        if exc_type.__module__ not in ("builtins", "__main__"):
+            type_name = f"{exc_type.__module__}.{type_name}"
+        text = "".join(traceback.format_exception(exc_type, exc, _user_frames(exc.__traceback__)))
+    failure = RankFailure(
+        rank=rank,
+        host=os.environ.get("SPARKDIST_HOST", ""),
+        exit_code=code,
+        exc_type=type_name,
+        message=message,
+        traceback=text,
+        exception_bytes=_try_dumps(exc),
+    )
+    _write_atomically(failure_path(result_dir, rank), _dumps(failure))
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Skip the frames of this module (and runpy) so the traceback starts in user code."""
+    skip = (__file__, runpy.__file__)
+    while tb is not None and tb.tb_frame.f_code.co_filename in skip:
+        tb = tb.tb_next
+    return tb
+
+
+def _dumps(value: Any) -> bytes:
+    import cloudpickle
+
+    return cloudpickle.dumps(value)  # type: ignore[no-any-return]
+
+
+def _try_dumps(exc: BaseException) -> bytes | None:
+    try:
+        data = _dumps(exc)
+        _ = _loads_check(data)
+    except Exception:
+        return None
+    return data
+
+
+def _loads_check(data: bytes) -> Any:
+    import cloudpickle
+
+    return cloudpickle.loads(data)
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    temporary = f"{path}.tmp"
+    with open(temporary, "wb") as f:
+        f.write(data)
+    os.replace(temporary, path)
+
+
+def _skip_teardown_only_finalizers() -> None:
+    """Don't run torch's op-library finalizers at exit: there are 100+ of them, they only
+    undo registrations in this process's memory (which ``os._exit`` discards anyway), and
+    they cost ~40 ms per rank."""
+    try:
+        registry = weakref.finalize._registry  # type: ignore[attr-defined]
+        for finalizer, info in list(registry.items()):
+            if getattr(info.func, "__module__", "") == "torch.library":
+                finalizer.atexit = False
+    except Exception:  # a private structure: if it changes, exit the slow way
+        pass
+
+
+def _exit(code: int) -> None:
+    """Run the atexit hooks user code and libraries rely on, flush, and leave at once.
+
+    Skipping interpreter teardown matters: destroying torch's C++ objects (rank 0's store
+    server thread above all) while peers are still connected can abort the process
+    ("terminate called without an active exception") after its result was already written.
+    This is what multiprocessing does for its children too.
+    """
+    _skip_teardown_only_finalizers()
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - a failing hook must not change the outcome
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code if 0 <= code <= 255 else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,4 @@
+"""Shipping the driver's local code to the ranks (``code``).
+
+Imports only ``_core``.
+"""

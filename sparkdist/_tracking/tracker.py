@@ -1,0 +1,123 @@
+"""What a launch reports: the live progress display and the MLflow run, behind one object.
+
+One ``RunTracker`` per ``Launch``, so a run's restarts share one MLflow run and one display.
+Reports from the ranks (``runtime.report()``) arrive on the control channel's reader threads;
+the tracker keeps only those of the lowest rank that reports (normally rank 0: the same step
+must not reach MLflow once per rank), remembers the last metrics for ``RunResult``, and hands
+them to the display (``_progress``) and to MLflow (``_mlflow_run``), which do the slow work on
+threads of their own.
+
+Non-goals: drawing (``_progress``), talking to MLflow (``_mlflow_run``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from sparkdist._core.config import LaunchConfig
+from sparkdist._core.placement import Placement
+from sparkdist._core.result import RunResult
+from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._tracking.mlflow_run import MlflowRun
+from sparkdist._tracking.progress import ProgressDisplay
+
+logger = logging.getLogger("sparkdist")
+
+#: Set to 0 (or false/no/off) to turn MLflow tracking off where ``mlflow=`` is not given.
+TRACKING_VAR = "SPARKDIST_MLFLOW"
+
+
+def tracking_wanted(flag: bool | None) -> bool:
+    """``mlflow=`` when given, else SPARKDIST_MLFLOW (default on)."""
+    if flag is not None:
+        return flag
+    return os.environ.get(TRACKING_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class RunTracker:
+    """Progress display, last metrics and (optionally) the MLflow run of one launch."""
+
+    def __init__(self, config: LaunchConfig, placement: Placement, run_id: str) -> None:
+        self.display = ProgressDisplay(run_id)
+        self.last_metrics: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._source_rank: int | None = None
+        self._reports = 0
+        self._last_step: int | None = None
+        self._catching_up = False  # a lower rank took over: skip the steps already taken
+        self._monitor: RunMonitor | None = None
+        self._attempts = 0
+        self._mlflow = (
+            MlflowRun(config, placement, run_id, self.display)
+            if tracking_wanted(config.mlflow)
+            else None
+        )
+
+    def attach(self, monitor: RunMonitor) -> None:
+        """Wire one attempt's monitor: reports come here, its rendezvous waits for MLflow."""
+        monitor.on_report = self.on_report
+        monitor.output_guard = self.display.output_guard
+        self._monitor = monitor
+        self._attempts += 1
+        if self._mlflow is not None:
+            self._mlflow.hold(monitor)
+
+    def on_report(self, message: Mapping[str, Any]) -> None:
+        """A rank's ``runtime.report()``: runs on a channel reader thread, so it stays cheap."""
+        try:
+            rank = int(message.get("rank", 0))
+            step = message.get("step")
+            total = message.get("total")
+            metrics = {
+                str(k): float(v)
+                for k, v in dict(message.get("metrics") or {}).items()
+                if isinstance(v, (int, float)) and math.isfinite(v)
+            }
+        except (TypeError, ValueError):
+            return
+        with self._lock:
+            # The lowest rank that reports is the one shown and logged: the same step must
+            # not reach MLflow once per rank. Should a lower rank's first report arrive after
+            # a higher one's, it takes over from the next step not taken yet.
+            if self._source_rank is not None and rank > self._source_rank:
+                return
+            if rank != self._source_rank:
+                self._catching_up = self._source_rank is not None
+                self._source_rank, self._reports = rank, 0
+            self._reports += 1
+            step = int(step) if step is not None else self._reports
+            if self._catching_up:
+                if self._last_step is not None and step <= self._last_step:
+                    return
+                self._catching_up = False
+            self._last_step = step
+            self.last_metrics.update(metrics)
+        self.display.update(step, int(total) if total is not None else None, metrics)
+        if self._mlflow is not None and metrics:
+            self._mlflow.log_metrics(step, metrics)
+
+    def close(self, result: RunResult | None, error: BaseException | None) -> RunResult | None:
+        """End the display and the MLflow run; return ``result`` with the tracking fields."""
+        mlflow_run_id = None
+        try:
+            self.display.close()
+            if self._mlflow is not None:
+                hosts = (
+                    result.hosts
+                    if result is not None
+                    else (list(self._monitor.node_hosts.values()) if self._monitor else [])
+                )
+                mlflow_run_id = self._mlflow.close(error, hosts, self._attempts - 1)
+        except Exception:  # tracking never changes a run's outcome
+            logger.debug("sparkdist: closing the run's tracking failed", exc_info=True)
+        if result is None:
+            return None
+        return dataclasses.replace(
+            result, mlflow_run_id=mlflow_run_id, last_metrics=dict(self.last_metrics)
+        )
