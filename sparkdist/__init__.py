@@ -3,6 +3,8 @@
 Importing sparkdist imports none of torch, pyspark, deepspeed or mlflow; they load when used.
 """
 
+from importlib import metadata as _metadata
+
 from sparkdist import runtime
 from sparkdist._core.config import Mode
 from sparkdist._core.errors import (
@@ -19,7 +21,8 @@ from sparkdist._core.result import RunResult
 from sparkdist.decorator import distributed
 from sparkdist.distributor import DeepspeedTorchDistributor, Distributor, TorchDistributor
 
-__version__ = "0.1.0"
+#: The installed distribution's version: pyproject.toml is its one definition.
+__version__ = _metadata.version("sparkdist")
 
 __all__ = [
     "ClusterError",

@@ -7,9 +7,11 @@ started once. Every test is checked for processes of a run left alive and temp d
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -18,8 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+
+from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR, RankProcess, rank_processes
 
 # All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -27,7 +30,7 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 # Leak checks must see only this test session's runs (another session may share the machine):
 # every process we start inherits this marker, and run directories go to our own temp dir.
-SESSION_MARKER = "SPARKDIST_TEST_SESSION"
+SESSION_MARKER = SESSION_MARKER_VAR  # the pytest plugin's marker: one leak detector for both
 os.environ[SESSION_MARKER] = uuid.uuid4().hex
 _SESSION_TMP = tempfile.mkdtemp(prefix="sparkdist-tests-")
 os.environ["TMPDIR"] = _SESSION_TMP
@@ -118,36 +121,10 @@ def no_spark() -> Iterator[None]:
     yield
 
 
-def run_processes() -> list[psutil.Process]:
-    """Live processes that belong to one of this session's runs.
-
-    A cold-started rank names its run in its environment; a rank forked by a warm pool's
-    zygote carries the zygote's original environment, so it is found by its process name
-    ("sparkdist-r<rank>") or as a zygote's child.
-    """
-    ours = os.environ[SESSION_MARKER]
-    found, zygotes = [], set()
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            env = proc.environ()
-            if env.get(SESSION_MARKER) != ours:
-                continue
-            if "SPARKDIST_RUN_ID" in env or proc.name().startswith("sparkdist-r"):
-                found.append(proc)
-            elif env.get("SPARKDIST_ZYGOTE") == "1":
-                zygotes.add(proc.pid)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    for pid in zygotes:
-        try:
-            found += [c for c in psutil.Process(pid).children(recursive=True)
-                      if c.status() != psutil.STATUS_ZOMBIE and c not in found
-                      and c.name() != "sparkdist-spare"]  # parked, not yet a rank
-        except psutil.NoSuchProcess:
-            continue
-    return found
+def run_processes() -> list[RankProcess]:
+    """Live processes of this test session's runs: the pytest plugin's own leak detector
+    (``sparkdist._frontdoors.pytest_support.rank_processes``), so there is one definition."""
+    return rank_processes(os.environ[SESSION_MARKER])
 
 
 def run_dirs() -> list[str]:
@@ -163,10 +140,39 @@ def no_leftovers() -> Iterator[None]:
     while (run_processes() or set(run_dirs()) - dirs_before) and time.monotonic() < deadline:
         time.sleep(0.05)
     survivors = run_processes()
-    for proc in survivors:
-        proc.kill()
+    for proc in survivors:  # just listed as ours, so the pid is still this session's
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGKILL)
     assert not survivors, f"processes of a run survived the test: {survivors}"
     assert not set(run_dirs()) - dirs_before, "a run directory was left behind"
 
 # Runs track to MLflow by default; tests must not write mlflow.db into the repo: they opt in.
 os.environ["SPARKDIST_MLFLOW"] = "0"
+
+
+# -- test order: each Spark master is started once ---------------------------------------------
+# Only one SparkContext lives in a process, and switching masters costs a JVM start, so tests
+# run grouped by the master they use: none, local[2], Spark Connect, local-cluster. A test that
+# names no session fixture stays with the tests before it in its file (it may rely on the active
+# session they made). The sort is stable: the order within a group is the collection order.
+_MASTER_GROUPS = {"spark_local": 1, "spark": 1, "spark_connect": 2, "spark_cluster": 3}
+
+
+def _master_group(item: pytest.Item) -> int | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and callspec.params.get("session_kind") == "connect":
+        return _MASTER_GROUPS["spark_connect"]
+    groups = [g for name, g in _MASTER_GROUPS.items() if name in getattr(item, "fixturenames", ())]
+    return max(groups) if groups else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    current: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.split("::", 1)[0]
+        group = _master_group(item)
+        if group is not None:
+            current[module] = group
+        keys[item.nodeid] = current.get(module, 0)
+    items.sort(key=lambda item: keys[item.nodeid])

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import sparkdist
 
@@ -39,3 +41,12 @@ def test_runtime_outside_a_rank_describes_a_world_of_one(monkeypatch):
     assert (rt.get_global_rank(), rt.get_local_rank(), rt.get_world_size(),
             rt.get_local_world_size(), rt.get_node_rank(), rt.is_main_process()) == (
         0, 0, 1, 1, 0, True)
+
+
+def test_version_comes_from_the_package_metadata_only():
+    from importlib import metadata
+
+    assert sparkdist.__version__ == metadata.version("sparkdist")
+    source = (Path(sparkdist.__file__).parent).rglob("*.py")
+    literal = re.compile(r"""__version__\s*=\s*['"]""")
+    assert not [str(p) for p in source if literal.search(p.read_text())]

@@ -1,5 +1,5 @@
 """Issue 12 without Spark: finding and packing local code, version rules and the refusal table,
-naming large captures. (The whole path on local-cluster is in integration/test_zz_shipping.py.)"""
+naming large captures. (The whole path on local-cluster is in integration/test_shipping_cluster.py.)"""
 
 from __future__ import annotations
 
