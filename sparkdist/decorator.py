@@ -6,9 +6,9 @@ Code written for the serverless API runs here by changing only the imports::
     from sparkdist import runtime as rt     # was: from serverless_gpu import runtime as rt
 
 ``@distributed(gpus=N, ...)`` turns a function into a ``DistributedFunction``: calling it still
-runs the plain function in this process; ``.distributed(...)`` runs it on N ranks and returns
-every rank's value; ``.distributed_async(...)`` starts the same run and hands back a
-``DistributedRun`` at once, for sweeps. Both go through the engine behind ``Distributor``, so
+runs the function in this process, as rank 0 of a world of one; ``.distributed(...)`` runs it on
+N ranks and returns every rank's value; ``.distributed_async(...)`` starts the same run and hands
+back a ``DistributedRun`` at once, for sweeps. Both go through the engine behind ``Distributor``, so
 failures (``WorkerFailedError``), output streaming and cleanup are the same.
 
 Non-goals: provisioning GPUs (the driver or the Spark cluster has them), snapshotting pip
@@ -17,11 +17,13 @@ environments, MLflow system metrics, Ray (``@ray_launch``), decorating methods.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Generic, ParamSpec, TypeVar
 
 from sparkdist._core.config import (
@@ -99,7 +101,7 @@ def distributed(
         >>> @distributed(gpus=2)
         ... def train(lr):
         ...     return runtime.get_global_rank(), lr
-        >>> train(0.1)  # a plain call, in this process
+        >>> train(0.1)  # a plain call: in this process, a world of one
         (0, 0.1)
         >>> train.distributed(0.1)  # doctest: +SKIP
         [(0, 0.1), (1, 0.1)]
@@ -209,8 +211,19 @@ class DistributedFunction(Generic[P, R]):
         return not self.config.local_mode
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        """Call the plain function in this process (no launch)."""
-        return self.__wrapped__(*args, **kwargs)
+        """Call the function in this process, as rank 0 of a world of one (no launch).
+
+        For the duration of the call the process has torchrun's variables for a one-rank world
+        (``RANK=0``, ``WORLD_SIZE=1``, ``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1``,
+        ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT=0``), so a function that calls
+        ``torch.distributed.init_process_group()`` runs unchanged: rank 0 binds its store on a
+        port the OS picks, and no other rank needs to find it. The variables are put back
+        afterwards, and a default process group the call left open is destroyed, so the next
+        call can start one again. Inside a world that already exists (``RANK`` or
+        ``WORLD_SIZE`` set: a sparkdist rank, torchrun) the function is called as is.
+        """
+        with _one_rank_world():
+            return self.__wrapped__(*args, **kwargs)
 
     def distributed(self, *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """Run the function on every rank with these arguments; block until every rank ends.
@@ -333,6 +346,71 @@ class DistributedRun(Generic[R]):
     def __repr__(self) -> str:
         state = "done" if self.done() else "running"
         return f"<DistributedRun {self.run_id} {state}>"
+
+
+#: torchrun's variables for a world of one, set around a plain call. MASTER_PORT=0: the only
+#: rank binds its store on a port the OS picks and keeps it, so there is no free-port race.
+_ONE_RANK_WORLD = {
+    "RANK": "0",
+    "WORLD_SIZE": "1",
+    "LOCAL_RANK": "0",
+    "LOCAL_WORLD_SIZE": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "0",
+}
+#: Would make rank 0 connect to a store an agent hosts instead of binding its own.
+_AGENT_STORE_VAR = "TORCHELASTIC_USE_AGENT_STORE"
+_world_lock = threading.Lock()
+_world_depth = 0  # plain calls in flight that share the one-rank variables
+_world_saved: dict[str, str | None] = {}
+
+
+@contextlib.contextmanager
+def _one_rank_world() -> Iterator[None]:
+    """torchrun's environment for a world of one around a plain call; restored afterwards.
+
+    Concurrent or nested plain calls share the variables: the first sets them, the last puts
+    the previous values back. A default process group opened under them is destroyed at the
+    end (torch.distributed is only looked at when the call imported it).
+    """
+    global _world_depth
+    with _world_lock:
+        if _world_depth == 0 and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
+            owns_world = False  # already a rank of some world: leave it as it is
+        else:
+            owns_world = True
+            if _world_depth == 0:
+                names = (*_ONE_RANK_WORLD, _AGENT_STORE_VAR)
+                _world_saved.clear()
+                _world_saved.update({name: os.environ.get(name) for name in names})
+                os.environ.pop(_AGENT_STORE_VAR, None)
+                os.environ.update(_ONE_RANK_WORLD)
+            _world_depth += 1
+    group_was_open = owns_world and _default_group_open()
+    try:
+        yield
+    finally:
+        if owns_world:
+            if not group_was_open and _default_group_open():
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            with _world_lock:
+                _world_depth -= 1
+                if _world_depth == 0:
+                    for name, value in _world_saved.items():
+                        if value is None:
+                            os.environ.pop(name, None)
+                        else:
+                            os.environ[name] = value
+                    _world_saved.clear()
+
+
+def _default_group_open() -> bool:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:  # never imported: nothing can be open, and importing torch costs seconds
+        return False
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 def _rebuild(fn: Callable[P, R], config: LaunchConfig) -> DistributedFunction[P, R]:
