@@ -1,0 +1,258 @@
+"""The run state machine and the root-cause rule, table-driven, with no process started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sparkdist._core.env import ROWS_PER_RANK_VAR
+from sparkdist._core.run_state import (
+    ABRUPT_DEATH_SLACK_S,
+    AbortAll,
+    AgentsEnded,
+    CancelRequested,
+    CancelStage,
+    Deadlines,
+    FailureTiming,
+    HoldRendezvous,
+    NodeDone,
+    NodeHello,
+    NodeLost,
+    NodeRefused,
+    RankFailed,
+    RankJoined,
+    ReleaseRendezvous,
+    RowsCounted,
+    RunState,
+    SendRendezvous,
+    StartStage,
+    StopCause,
+    StoreReady,
+    Tick,
+    root_cause,
+)
+
+T0 = 1000.0
+
+
+def new_state(world: int = 4, nodes: int = 2, start_s: float = 60.0, **kw) -> RunState:
+    timeout_s = kw.pop("timeout_s", None)
+    return RunState(world, nodes, Deadlines(start_s, timeout_s, failure_grace_s=30.0), T0, **kw)
+
+
+def started(state: RunState, now: float = T0 + 1) -> list:
+    """Every node says hello, the store comes up, every rank joins."""
+    out = []
+    for node in range(state.num_nodes):
+        out += state.handle(NodeHello(node, f"host{node}"), now)
+    out += state.handle(StoreReady(29500), now)
+    for rank in range(state.world_size):
+        out += state.handle(RankJoined(rank), now)
+    return out
+
+
+# -- rendezvous --------------------------------------------------------------------------------
+
+
+def test_rendezvous_goes_out_once_every_node_said_hello_and_the_store_is_up():
+    state = new_state()
+    assert state.handle(StoreReady(29500), T0) == []
+    assert state.handle(NodeHello(0, "a"), T0) == []
+    assert state.handle(NodeHello(1, "b"), T0) == [SendRendezvous(29500, {})]
+    assert state.handle(NodeHello(1, "b"), T0) == []  # never twice
+
+
+@pytest.mark.parametrize("store_first", [True, False])
+def test_a_hold_delays_the_rendezvous_and_its_env_travels_with_it(store_first):
+    state = new_state(nodes=1)
+    state.handle(HoldRendezvous(), T0)
+    events = [StoreReady(1), NodeHello(0, "a")]
+    for event in events if store_first else events[::-1]:
+        assert state.handle(event, T0) == []
+    assert state.start_stage() is StartStage.DRIVER_SETUP
+    assert state.handle(ReleaseRendezvous({"MLFLOW_RUN_ID": "r"}), T0) == [
+        SendRendezvous(1, {"MLFLOW_RUN_ID": "r"})
+    ]
+
+
+def test_rows_for_every_rank_release_the_rendezvous_with_the_counts():
+    state = new_state(world=2, nodes=1)
+    state.handle(HoldRendezvous(), T0)
+    state.handle(NodeHello(0, "a"), T0)
+    state.handle(StoreReady(7), T0)
+    assert state.handle(RowsCounted({0: 5}), T0) == []
+    [decision] = state.handle(RowsCounted({1: 3}), T0)
+    assert isinstance(decision, SendRendezvous)
+    assert json.loads(decision.env[ROWS_PER_RANK_VAR]) == [5, 3]
+
+
+@pytest.mark.parametrize(
+    ("counts", "needle"),
+    [({0: 0, 1: 0}, "has no rows"), ({0: 4, 1: 0}, "rank(s) 1 got no rows")],
+)
+def test_empty_partitions_stop_the_run_before_anyone_trains(counts, needle):
+    state = new_state(world=2, nodes=1)
+    state.handle(HoldRendezvous(), T0)
+    state.handle(NodeHello(0, "a"), T0)
+    state.handle(StoreReady(7), T0)
+    decisions = state.handle(RowsCounted(counts), T0)
+    assert state.stop_cause is StopCause.BAD_DATA
+    assert needle in (state.data_error or "")
+    assert decisions == [AbortAll(state.data_error or "")]
+    assert not state.rendezvous_sent
+
+
+# -- the fault matrix --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("event", "cause", "cancels_stage_now"),
+    [
+        (RankFailed(2), StopCause.RANK_FAILED, False),
+        (RankFailed(1, hung_since=T0), StopCause.RANK_FAILED, False),
+        (NodeLost(1), StopCause.NODE_LOST, False),
+        (NodeRefused(0, "numpy 1.0 wanted, 2.0 found"), StopCause.REFUSED, False),
+        (CancelRequested("Ctrl-C"), StopCause.CANCELLED, True),
+    ],
+)
+def test_each_fault_aborts_every_rank_once(event, cause, cancels_stage_now):
+    state = new_state()
+    started(state)
+    decisions = state.handle(event, T0 + 2)
+    assert state.stop_cause is cause
+    assert decisions[0] == AbortAll(state.stop_reason or "")
+    assert (CancelStage() in decisions) is cancels_stage_now
+    # A second fault adds no second abort.
+    assert not any(isinstance(d, AbortAll) for d in state.handle(RankFailed(3), T0 + 3))
+
+
+def test_after_a_failure_the_stage_is_cancelled_when_the_grace_runs_out():
+    state = new_state()
+    started(state)
+    state.handle(RankFailed(0), T0 + 10)
+    assert state.next_wakeup() == T0 + 40
+    assert state.handle(Tick(), T0 + 39.9) == []
+    assert state.handle(Tick(), T0 + 40) == [CancelStage()]
+    assert state.handle(Tick(), T0 + 80) == []  # once
+
+
+def test_a_goodbye_before_the_connection_drops_is_not_a_lost_node():
+    state = new_state()
+    started(state)
+    state.handle(NodeDone(1, dropped_lines=3), T0 + 5)
+    assert state.handle(NodeLost(1), T0 + 5) == []
+    assert state.stop_cause is None and state.dropped_lines == 3
+
+
+def test_the_run_deadline_stops_everything_and_cancels_the_stage():
+    state = new_state(timeout_s=100.0)
+    started(state)
+    assert state.next_wakeup() == T0 + 100
+    assert state.handle(Tick(), T0 + 99) == []
+    decisions = state.handle(Tick(), T0 + 100)
+    assert state.stop_cause is StopCause.TIMED_OUT
+    assert decisions == [AbortAll(state.stop_reason or ""), CancelStage()]
+    assert "timeout_s=100" in (state.stop_reason or "")
+
+
+@pytest.mark.parametrize(
+    ("setup", "stage"),
+    [
+        ([], StartStage.NODES),
+        ([NodeHello(0, "a")], StartStage.NODES),
+        ([NodeHello(0, "a"), NodeHello(1, "b")], StartStage.STORE),
+        ([HoldRendezvous(), NodeHello(0, "a"), NodeHello(1, "b"), StoreReady(1)],
+         StartStage.DRIVER_SETUP),
+        ([NodeHello(0, "a"), NodeHello(1, "b"), StoreReady(1), RankJoined(0)], StartStage.RANKS),
+    ],
+)
+def test_start_timeout_counts_from_submission_and_names_the_stuck_stage(setup, stage):
+    state = new_state(start_s=30.0)
+    for event in setup:
+        state.handle(event, T0 + 1)
+    assert state.start_stage() is stage
+    assert state.next_wakeup() == T0 + 30
+    decisions = state.handle(Tick(), T0 + 30)
+    assert state.stop_cause is StopCause.START_TIMED_OUT
+    assert stage.value in (state.stop_reason or "")
+    assert decisions == [AbortAll(state.stop_reason or ""), CancelStage()]
+
+
+def test_no_start_deadline_once_every_rank_joined():
+    state = new_state(start_s=30.0)
+    started(state)
+    assert state.next_wakeup() is None
+    assert state.handle(Tick(), T0 + 1000) == []
+
+
+def test_detached_nodes_keep_the_start_deadline_themselves():
+    state = new_state(start_s=30.0, detached=True)
+    assert state.next_wakeup() is None
+    assert state.handle(Tick(), T0 + 1000) == [] and state.stop_cause is None
+
+
+def test_cancel_wins_over_an_earlier_failure():
+    state = new_state()
+    started(state)
+    state.handle(RankFailed(1), T0 + 2)
+    decisions = state.handle(CancelRequested("cancelled"), T0 + 3)
+    assert state.stop_cause is StopCause.CANCELLED
+    assert decisions == [CancelStage()]  # every rank was already told to stop
+
+
+def test_goodbyes_expected_after_the_agents_ended():
+    state = new_state(nodes=3)
+    state.handle(NodeHello(0, "a"), T0)
+    assert state.expected_goodbyes() == 1  # only nodes that reached the channel say bye
+    state.handle(RankFailed(0), T0)
+    state.handle(AgentsEnded(failed=True), T0)
+    assert state.expected_goodbyes() == 3  # a failed stage: wait for every node's drain
+
+
+# -- root cause --------------------------------------------------------------------------------
+
+RAISED, PEER = T0, T0 + 0.002  # a peer's collective error follows within milliseconds
+
+
+@pytest.mark.parametrize(
+    ("case", "failures", "expected"),
+    [
+        ("one rank raised",
+         [FailureTiming(1, failed_at=RAISED)], 1),
+        ("a raise, then the peer's connection reset heard first by the driver",
+         [FailureTiming(0, failed_at=PEER), FailureTiming(1, failed_at=RAISED)], 1),
+        ("segfault seen by its agent after the peer's echo was raised",
+         [FailureTiming(0, failed_at=PEER), FailureTiming(1, ended_at=PEER + 0.003)], 1),
+        ("SIGKILL of a rank, peers killed by the abort",
+         [FailureTiming(0, ended_at=T0 + 1, aborted=True),
+          FailureTiming(1, ended_at=T0)], 1),
+        ("a raise, everyone else stopped by sparkdist later",
+         [FailureTiming(0, failed_at=T0 + 5), FailureTiming(1, ended_at=T0, aborted=True),
+          FailureTiming(2, ended_at=T0, aborted=True)], 0),
+        ("only stopped ranks (e.g. after a node was lost): the earliest",
+         [FailureTiming(3, ended_at=T0 + 2, aborted=True),
+          FailureTiming(2, ended_at=T0 + 1, aborted=True)], 2),
+        ("hangs: the rank silent longest",
+         [FailureTiming(0, hung_since=T0 + 3), FailureTiming(1, hung_since=T0 + 1),
+          FailureTiming(2, hung_since=T0 + 2)], 1),
+        ("a hang long before a later raise",
+         [FailureTiming(0, failed_at=T0 + 60), FailureTiming(1, hung_since=T0)], 1),
+        ("a lost node's ranks (no timing) lose to a rank with one",
+         [FailureTiming(4), FailureTiming(2, failed_at=T0)], 2),
+        ("nothing known: the lowest rank",
+         [FailureTiming(3), FailureTiming(1)], 1),
+        ("the same moment: the lowest rank",
+         [FailureTiming(3, failed_at=T0), FailureTiming(2, failed_at=T0)], 2),
+        ("an abrupt death well after a raise is not the cause",
+         [FailureTiming(0, failed_at=T0), FailureTiming(1, ended_at=T0 + 2 * ABRUPT_DEATH_SLACK_S)],
+         0),
+    ],
+)
+def test_root_cause(case, failures, expected):
+    assert root_cause(failures) == expected, case
+
+
+def test_root_cause_needs_a_failure():
+    with pytest.raises(ValueError, match="at least one"):
+        root_cause([])
