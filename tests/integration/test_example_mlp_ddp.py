@@ -26,6 +26,10 @@ def test_mlp_example_gives_the_same_loss_through_both_sparkdist_launchers(monkey
     (_, by_distributor, _), (_, by_decorator, _) = timings
     assert by_distributor == by_decorator
     assert by_distributor["world_size"] == 2 and by_distributor["rank"] == 0
+    for _, _, timing in timings:  # each launcher: a first call, then a warm one
+        assert 0 < timing.first_s and 0 < timing.warm_s
     out, _ = capfd.readouterr()
     assert "[rank 0] epoch 0: loss" in out
     assert "2 rank(s) on this machine, gloo + CPU" in out
+    assert "first call  warm call" in out
+    assert out.count("[rank 0] epoch 0: loss") == 4  # two launchers, two calls each
