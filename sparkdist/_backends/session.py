@@ -18,15 +18,22 @@ from typing import Any
 
 from sparkdist._core.errors import ConfigError
 
-#: The log level of sessions sparkdist starts itself, as in ``_spark.get_or_create_session``.
+#: The log level of sessions sparkdist starts itself.
 QUIET_LOG_LEVEL = "WARN"
 
 
-def create_session(master: str, conf: Mapping[str, str], *, app_name: str = "sparkdist") -> Any:
-    """Start a SparkSession on ``master`` with ``conf`` on top of spark-defaults.conf.
+def create_session(
+    master: str | None,
+    conf: Mapping[str, str] | None = None,
+    *,
+    app_name: str = "sparkdist",
+    log_level: str = QUIET_LOG_LEVEL,
+) -> Any:
+    """Start (or get) a SparkSession: the one place sparkdist builds a session.
 
-    ``spark.pyspark.python`` defaults to this interpreter (the executors must import what the
-    driver imports); a value in ``conf`` wins.
+    ``master`` None leaves the master to spark-submit / spark-defaults.conf. The executors run
+    this interpreter (``spark.pyspark.python``, or ``PYSPARK_PYTHON`` when set) and Spark's
+    console progress bar is off, so rank output stays readable; ``conf`` wins over both.
 
     Raises:
         ConfigError: pyspark is not installed.
@@ -35,21 +42,45 @@ def create_session(master: str, conf: Mapping[str, str], *, app_name: str = "spa
         from pyspark.sql import SparkSession
     except ImportError as exc:
         raise ConfigError(
-            "running on a Spark master needs pyspark; install it (pip install "
-            "'sparkdist[spark]') or run on this machine with --local"
+            "running on Spark needs pyspark; install it (pip install 'sparkdist[spark]') or "
+            "run on this machine (local_mode=True, or the CLI's --local)"
         ) from exc
+    # Executors must run the driver's interpreter, or every import of the job fails there.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     settings = {
+        "spark.app.name": app_name,
         "spark.pyspark.python": os.environ["PYSPARK_PYTHON"],
         "spark.ui.showConsoleProgress": "false",
-        **conf,
+        **(conf or {}),
     }
-    builder = SparkSession.builder.master(master).appName(app_name)
+    builder = SparkSession.builder
+    if master is not None:
+        builder = builder.master(master)
     for key, value in settings.items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
-    session.sparkContext.setLogLevel(QUIET_LOG_LEVEL)
+    session.sparkContext.setLogLevel(log_level)
     return session
+
+
+def active_session() -> Any | None:
+    """The active SparkSession (classic or Connect), or None; no pyspark counts as None."""
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:
+        return None
+    return SparkSession.getActiveSession()
+
+
+def is_connect(session: Any) -> bool:
+    """Whether ``session`` is a Spark Connect client session."""
+    return type(session).__module__.startswith("pyspark.sql.connect")
+
+
+def get_or_create_session() -> Any:
+    """The active session, or a new one (``create_session`` with spark-submit's master)."""
+    session = active_session()
+    return session if session is not None else create_session(None)
 
 
 def parse_assignment(text: str, what: str) -> tuple[str, str]:

@@ -12,55 +12,18 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import time
 from typing import Any
 
-from sparkdist._core.errors import ConfigError
+from sparkdist._backends.session import active_session as active_session
+from sparkdist._backends.session import get_or_create_session as get_or_create_session
+from sparkdist._backends.session import is_connect
 from sparkdist._core.placement import check_barrier_slots, estimate_barrier_slots
 
 logger = logging.getLogger("sparkdist")
 
 #: How long to wait for executors to register before declaring the cluster too small.
 SLOT_WAIT_S = 20.0
-
-
-def active_session() -> Any | None:
-    """The active SparkSession (classic or Connect), or None; no pyspark counts as None."""
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError:
-        return None
-    return SparkSession.getActiveSession()
-
-
-def is_connect(session: Any) -> bool:
-    """Whether ``session`` is a Spark Connect client session."""
-    return type(session).__module__.startswith("pyspark.sql.connect")
-
-
-def get_or_create_session() -> Any:
-    """The active session, or a new one that uses this interpreter on its executors."""
-    session = active_session()
-    if session is not None:
-        return session
-    try:
-        from pyspark.sql import SparkSession
-    except ImportError as exc:
-        raise ConfigError(
-            "local_mode=False needs pyspark; install it (pip install 'sparkdist[spark]') or "
-            "pass local_mode=True"
-        ) from exc
-    # Executors must run the driver's interpreter, or every import of the job fails there.
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    session = (
-        SparkSession.builder.appName("sparkdist")
-        .config("spark.pyspark.python", os.environ["PYSPARK_PYTHON"])
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("WARN")
-    return session
 
 
 #: Conf keys sparkdist reads; a Connect session is asked for each (no getAll there).

@@ -20,11 +20,11 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from sparkdist._backends.spark_driver import is_connect
+from sparkdist._backends.job_file import executor_path
+from sparkdist._backends.session import is_connect
 from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import cuda_visible_devices
 from sparkdist._node.agent import AgentSpec, run_agent
-from sparkdist._wire.captures import executor_path
 
 
 class BarrierStage:

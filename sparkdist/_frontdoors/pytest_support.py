@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdist._backends.session import create_session
 from sparkdist._core.env import RUN_ID_VAR
 from sparkdist._node.gpus import visible_gpus
 from sparkdist._node.zygote import RANK_NAME_PREFIX, SPARE_NAME
@@ -148,8 +149,6 @@ class SparkSessions:
         return self._owned
 
     def _create(self) -> Any:
-        from pyspark.sql import SparkSession
-
         # Loopback only: the driver, its block manager and (local-cluster) the executors.
         os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
         if self._log_dir is None:
@@ -159,7 +158,6 @@ class SparkSessions:
         with open(log_conf, "w", encoding="utf-8") as f:
             f.write(_QUIET_LOG4J2)
         conf = {
-            "spark.app.name": "sparkdist-pytest",
             "spark.pyspark.python": sys.executable,
             "spark.ui.enabled": "false",
             "spark.ui.showConsoleProgress": "false",
@@ -174,12 +172,7 @@ class SparkSessions:
             # Each worker of local-cluster[n,cores,MB] offers MB; an executor must fit in it.
             conf["spark.executor.memory"] = f"{int(cluster.group(1)) * 3 // 4}m"
         conf.update(self.extra_conf)
-        builder = SparkSession.builder.master(self.master)
-        for key, value in conf.items():
-            builder = builder.config(key, value)
-        session = builder.getOrCreate()
-        session.sparkContext.setLogLevel("ERROR")
-        return session
+        return create_session(self.master, conf, app_name="sparkdist-pytest", log_level="ERROR")
 
     def stop(self) -> None:
         """Stop the session if we started it (a session we reused is left alone)."""
