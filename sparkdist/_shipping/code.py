@@ -31,16 +31,13 @@ from __future__ import annotations
 
 import ast
 import dis
-import functools
 import importlib.machinery
 import importlib.metadata
 import importlib.util
 import io
 import logging
 import os
-import site
 import sys
-import sysconfig
 import types
 import zipfile
 from collections.abc import Iterable, Iterator, MutableMapping
@@ -50,6 +47,10 @@ from typing import Any
 import cloudpickle
 
 from sparkdist._core.errors import ConfigError
+from sparkdist._shipping.origin import (
+    installed_top_level_names,
+    is_installed_path,
+)
 
 logger = logging.getLogger("sparkdist")
 
@@ -213,11 +214,11 @@ def _find_local(name: str, visible: set[str]) -> _Local | None:
         locations = [os.path.realpath(p) for p in locations if os.path.isdir(p)]
     elif spec.origin and os.path.isfile(spec.origin):
         locations = [os.path.realpath(spec.origin)]
-    if not locations or any(_is_installed_path(p) for p in locations):
+    if not locations or any(is_installed_path(p) for p in locations):
         return None
     if all(os.path.dirname(p) in visible for p in locations):
         return None
-    if name in _installed_top_level_names():
+    if name in installed_top_level_names():
         return None  # an editable install, say: installed, so never shipped
     if spec.submodule_search_locations is None:
         if not locations[0].endswith(".py"):
@@ -278,37 +279,6 @@ def _imported_names(path: str) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names.add(node.module.split(".")[0])
     return names
-
-
-def _is_installed_path(path: str) -> bool:
-    return any(path.startswith(root + os.sep) for root in _installed_roots())
-
-
-@functools.lru_cache(maxsize=1)
-def _installed_roots() -> frozenset[str]:
-    """Where installed packages and the standard library live (a venv's prefix included)."""
-    paths = sysconfig.get_paths()
-    roots = {paths[key] for key in ("purelib", "platlib", "stdlib", "platstdlib") if key in paths}
-    roots |= set(getattr(site, "getsitepackages", list)())
-    try:
-        roots.add(site.getusersitepackages())
-    except AttributeError:
-        pass
-    roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
-    return frozenset(os.path.realpath(root) for root in roots if root)
-
-
-@functools.lru_cache(maxsize=1)
-def _installed_top_level_names() -> frozenset[str]:
-    """Import names that installed distributions provide (editable installs included).
-
-    Cached for the process: an install that is not under the installed locations (an editable
-    one) only becomes importable after the interpreter restarts anyway.
-    """
-    try:
-        return frozenset(importlib.metadata.packages_distributions())
-    except Exception:  # noqa: BLE001 - a broken distribution must not stop a launch
-        return frozenset()
 
 
 def _mb(size: int) -> str:

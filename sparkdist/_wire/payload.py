@@ -14,10 +14,8 @@ import contextlib
 import enum
 import importlib
 import io
-import os
 import pickle
 import sys
-import sysconfig
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -27,6 +25,7 @@ from typing import Any
 import cloudpickle
 
 from sparkdist._core.errors import ConfigError, RankFailure
+from sparkdist._shipping.origin import is_local_module
 
 
 class TargetKind(str, enum.Enum):
@@ -199,24 +198,7 @@ def _module_to_ship(fn: Callable[..., Any]) -> types.ModuleType | None:
     name = getattr(fn, "__module__", None)
     if not name or name == "__main__" or name.split(".")[0] == "sparkdist":
         return None
-    return sys.modules[name] if _is_local_name(name) else None
-
-
-def _is_local_name(module_name: str) -> bool:
-    """True for __main__ and modules loaded from files outside installed package roots."""
-    if module_name == "__main__":
-        return True
-    module = sys.modules.get(module_name)
-    path = getattr(module, "__file__", None)
-    if module is None or not path:
-        return False
-    path = os.path.realpath(path)
-    installed_roots = {
-        os.path.realpath(p)
-        for key in ("purelib", "platlib", "stdlib", "platstdlib")
-        if (p := sysconfig.get_paths().get(key))
-    }
-    return not any(path.startswith(root + os.sep) for root in installed_roots)
+    return sys.modules[name] if is_local_module(name) else None
 
 
 def _unpicklable_message(job: Job, where: str, culprit: Any, exc: Exception) -> str:
@@ -280,7 +262,7 @@ def _children(where: str, obj: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (list, tuple, set, frozenset)):
         for i, item in enumerate(obj):
             yield f"{where}[{i}]", item
-    elif _is_local_name(type(obj).__module__) and hasattr(obj, "__dict__"):
+    elif is_local_module(type(obj).__module__) and hasattr(obj, "__dict__"):
         # Look inside the user's own objects only: "argument 0.lock" helps, while a walk
         # through a SparkSession's internals would end at some lock deep inside py4j.
         for key, value in vars(obj).items():
