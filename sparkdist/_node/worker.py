@@ -121,6 +121,10 @@ def main() -> None:
         _bind_device(env)
         _prepare_mode(env)
         link.send({"t": "ready"})
+        if env.get("SPARKDIST_MODE") == "deepspeed":
+            from sparkdist._node.torch_extensions import prepare_deepspeed_rank
+
+            prepare_deepspeed_rank(env)  # no wait on a dead build's lock, no op build in the run
         value = _run(job)
         _destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every way out of user code is recorded
