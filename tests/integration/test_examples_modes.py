@@ -29,10 +29,10 @@ DEEPSPEED_RANK_LINE = re.compile(
     r"loss ([\d.]+) -> ([\d.]+)$", re.MULTILINE)
 
 
-def run_example(name: str, *args: str) -> str:
+def run_example(name: str, *args: str, **env_vars: str) -> str:
     """Run an example in a fresh interpreter, as a user would; return its stdout."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **env_vars}
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
         capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=REPO, check=False,
@@ -43,21 +43,6 @@ def run_example(name: str, *args: str) -> str:
 
 def number(text: str) -> int:
     return int(text.replace(",", ""))
-
-
-@pytest.fixture(scope="module")
-def deepspeed_cpu_ops_built() -> None:
-    """Build (or load) DeepSpeed's CPU shared-memory comm op once, with no time limit of ours.
-
-    torch builds the op on first use while holding a lock file in ~/.cache/torch_extensions; a
-    process killed mid-build (an example run hitting its timeout) leaves the lock behind, and
-    every later DeepSpeed run then waits on it forever. Building here, outside the example runs,
-    keeps a first, slow build (minutes on 2 busy cores) from being killed half-way.
-    """
-    code = ("from deepspeed.accelerator import get_accelerator; "
-            "get_accelerator().create_op_builder('ShareMemCommBuilder').load()")
-    subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                   capture_output=True, check=True)
 
 
 def test_fsdp_transformer_example_shards_the_model_and_the_loss_falls():
@@ -79,15 +64,14 @@ def test_fsdp_transformer_example_shards_the_model_and_the_loss_falls():
 
 
 @pytest.mark.deepspeed
-@pytest.mark.timeout(600)  # room for the first build of DeepSpeed's op on a fresh machine
 @pytest.mark.parametrize("config_name", ["zero2.json", "zero3.json"])
-def test_deepspeed_zero_example_trains_with_the_shipped_config(config_name,
-                                                               deepspeed_cpu_ops_built):
+def test_deepspeed_zero_example_trains_with_the_shipped_config(config_name, tmp_path):
     config_path = REPO / "conf" / "deepspeed" / config_name
     zero = json.loads(config_path.read_text())["zero_optimization"]
+    extensions = tmp_path / "torch_extensions"  # empty, as on a fresh machine
 
     out = run_example("deepspeed_zero.py", "--tiny", "--processes", "2", "--cpu",
-                      "--config", str(config_path))
+                      "--config", str(config_path), TORCH_EXTENSIONS_DIR=str(extensions))
 
     ranks = DEEPSPEED_RANK_LINE.findall(out)
     assert [int(r[0]) for r in ranks] == [0, 1], out
@@ -103,6 +87,8 @@ def test_deepspeed_zero_example_trains_with_the_shipped_config(config_name,
             assert number(held) <= number(total)
     assert re.search(r"^\[rank 0\] step +0  loss", out, re.MULTILINE)
     assert f"'zero_stage': {zero['stage']}, 'offload': False}} on 2 ranks" in out
+    # Nothing was compiled on the way (DeepSpeed's CPU comm op, FusedAdam): no op folder.
+    assert not extensions.exists() or not any(extensions.iterdir())
 
 
 @pytest.mark.spark

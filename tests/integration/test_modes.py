@@ -166,7 +166,8 @@ def zero_config(stage):
     return {
         "train_micro_batch_size_per_gpu": 64,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        # torch's AdamW: DeepSpeed's default (FusedAdam) is compiled on first use (minutes).
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": stage},
     }
 
