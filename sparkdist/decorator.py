@@ -32,10 +32,12 @@ from sparkdist._core.config import (
     Mode,
     load_deepspeed_config,
 )
-from sparkdist._core.errors import ConfigError
+from sparkdist._core.errors import ConfigError, SparkdistError
 from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.placement import TASK_GPU_KEY
+from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.launch import Launch
+from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist.distributor import make_job
 
 __all__ = ["DistributedFunction", "DistributedRun", "GPUType", "distributed"]
@@ -194,6 +196,7 @@ class DistributedFunction(Generic[P, R]):
         # Set after update_wrapper, which copies the function's __dict__ onto this object.
         self.config = config
         self.spark = spark
+        prewarm(config.mlflow)  # mlflow's imports overlap whatever comes before a launch
 
     @property
     def gpus(self) -> int:
@@ -237,14 +240,14 @@ class DistributedFunction(Generic[P, R]):
             WorkerFailedError: a rank failed; every other rank has been stopped.
             RendezvousError: a rank did not join within ``start_timeout_s``.
             RunTimeoutError: the run took longer than ``timeout_s``.
-            KeyboardInterrupt: after Ctrl-C stopped every rank.
+            KeyboardInterrupt: after Ctrl-C stopped every rank (any exception raised into the
+                waiting thread, a test timeout's say, likewise).
         """
-        launch = self._start(args, kwargs)
         try:
-            return list(launch.result().values)
-        except KeyboardInterrupt:
-            launch.cancel("the driver was interrupted (Ctrl-C)")
-            raise
+            return list(self._start(args, kwargs).wait().values)
+        except SparkdistError as error:
+            # The message says what failed, the cause stays; our own frames would bury both.
+            raise for_the_user(error) from error.__cause__
 
     def distributed_async(self, *args: P.args, **kwargs: P.kwargs) -> DistributedRun[R]:
         """Start the function on every rank and return at once, for sweeps and side-by-side runs.
@@ -264,6 +267,11 @@ class DistributedFunction(Generic[P, R]):
 
     def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
         launch = Launch(self.config, make_job(self.__wrapped__, args, kwargs), session=self.spark)
+        with launch.cancel_on_exception():  # a failing log handler must not orphan the ranks
+            self._warn_if_cpu(launch)
+        return launch
+
+    def _warn_if_cpu(self, launch: Launch) -> None:
         if (
             self.config.use_gpu is None
             and self.config.gpu_type is None
@@ -281,7 +289,6 @@ class DistributedFunction(Generic[P, R]):
                 self.gpus,
                 where,
             )
-        return launch
 
     def __repr__(self) -> str:
         gpu_type = self.config.gpu_type
@@ -329,7 +336,10 @@ class DistributedRun(Generic[R]):
             concurrent.futures.CancelledError: the run was cancelled.
             WorkerFailedError, RendezvousError, RunTimeoutError: as ``distributed`` raises.
         """
-        return list(self._launch.result(timeout).values)
+        try:
+            return list(self._launch.result(timeout).values)
+        except SparkdistError as error:
+            raise for_the_user(error) from error.__cause__  # as ``distributed`` raises it
 
     def done(self) -> bool:
         """True once the run has ended (every rank has exited), however it ended."""

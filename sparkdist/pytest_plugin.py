@@ -415,8 +415,8 @@ class DistributedRunner:
                 f"run {run.run_id} did not stop within {_STOP_MARGIN_S:g} s after its "
                 f"timeout_s={self.timeout_s}; its ranks were cancelled"
             ) from exc
-        except KeyboardInterrupt:
-            run.cancel("the test run was interrupted (Ctrl-C)")
+        except BaseException as exc:  # Ctrl-C, pytest-timeout's Failed: no rank outlives it
+            run.cancel(f"the test run was interrupted ({type(exc).__name__})")
             raise
         self.last_result = result
         return result

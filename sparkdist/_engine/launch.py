@@ -4,7 +4,9 @@
 the decorator, the CLI): it does everything that can fail before a process starts, on the
 caller's thread, so bad input raises at once and nothing is launched. It then returns a
 ``Launch`` whose supervisor thread watches the run (``_supervisor``). ``launch`` is the blocking
-form, and turns Ctrl-C into a clean stop of every rank.
+form (``Launch.wait``): whatever interrupts the waiting thread (Ctrl-C, a test timeout's
+exception raised from a signal handler, anything else) first stops every rank and everything
+the ranks started, then propagates unchanged.
 
 Local mode runs the agent on a thread of this process; Spark mode submits one barrier stage
 whose tasks run the same agent.
@@ -15,6 +17,7 @@ Non-goals: argument parsing of the public classes (``distributor``), Spark detai
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -23,9 +26,11 @@ import os
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from sparkdist._backends import spark_driver as _spark
+from sparkdist._backends.job_file import JobFile, job_file_name
 from sparkdist._core.config import LaunchConfig, Mode
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
 from sparkdist._core.errors import ClusterError, ConfigError, RankFailure, WorkerFailedError
@@ -50,7 +55,7 @@ from sparkdist._node.agent import AgentSpec
 from sparkdist._node.gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._shipping.code import ModuleRecorder, pack_local_code
 from sparkdist._tracking.tracker import RunTracker
-from sparkdist._wire.captures import JobFile, check_job_size, job_file_name
+from sparkdist._wire.captures import check_job_size
 from sparkdist._wire.channel import ChannelServer, new_secret
 from sparkdist._wire.payload import Job, dumps_job
 
@@ -122,7 +127,7 @@ class Launch:
             for warning in check_cluster_conf(conf, ignore_ssl_key):
                 _warn_once(warning)
             self.placement = place_on_cluster(config, conf)
-            _spark.wait_for_barrier_slots(session, self.placement.num_tasks)
+            _spark.wait_for_barrier_slots(session, self.placement.num_tasks, config.start_timeout_s)
             driver_host = _spark.driver_host(session)
             extra_env = dict(config.env)
         placement = self.placement
@@ -172,22 +177,31 @@ class Launch:
         self._done = threading.Event()
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
+        self._attempt: _Attempt | None = None
+        supervisor = threading.Thread(
+            target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
+        )
         # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
         self._tracker = RunTracker(config, placement, self.run_id)
         try:
             if ship_as_file:
                 self._job_file = JobFile(session, job_bytes, self.run_id)
-            self._attempt = self._start_attempt(0)
+            self._start_attempt(0)
+            supervisor.start()
         except BaseException as exc:
-            self._release_job_file()
-            self._tracker.close(None, exc)
+            if self._attempt is None:  # nothing started
+                self._release_job_file()
+                self._tracker.close(None, exc)
+                raise
+            # Interrupted after the agents started: the supervisor stops them and cleans up.
+            if supervisor.ident is None:
+                supervisor.start()
+            self.cancel(_interruption(exc))
             raise
-        threading.Thread(
-            target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
-        ).start()
 
-    def _start_attempt(self, restart_count: int) -> _Attempt:
-        """Open a fresh channel (new secret) and submit the agents for one attempt."""
+    def _start_attempt(self, restart_count: int) -> None:
+        """Open a fresh channel (new secret) and submit the agents for one attempt; it becomes
+        ``self._attempt`` as soon as they are submitted (so a cancel can reach them)."""
         placement = self.placement
         monitor = RunMonitor(placement.world_size, placement.num_tasks)
         self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
@@ -201,18 +215,21 @@ class Launch:
             restart_count=restart_count,
         )
         try:
-            submission = Submission(
-                self._session,
-                template,
-                placement,
-                self.config.local_mode,
+            self._attempt = _Attempt(
                 monitor,
-                self._dataframe,
+                server,
+                Submission(
+                    self._session,
+                    template,
+                    placement,
+                    self.config.local_mode,
+                    monitor,
+                    self._dataframe,
+                ),
             )
         except BaseException:
             server.close()
             raise
-        return _Attempt(monitor, server, submission)
 
     def _channel_port(self, server: ChannelServer) -> int:
         """The channel's port for the agents; 0 tells them to run detached (Spark mode only)
@@ -225,6 +242,7 @@ class Launch:
         try:
             while True:
                 attempt = self._attempt
+                assert attempt is not None
                 try:
                     outcomes = supervise(self.config, attempt.submission, attempt.monitor)
                     self._result = result_of(
@@ -253,7 +271,7 @@ class Launch:
                 with self._lock:
                     if self._cancel_reason is not None:
                         raise concurrent.futures.CancelledError(self._cancel_reason)
-                    self._attempt = self._start_attempt(len(earlier))
+                    self._start_attempt(len(earlier))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
@@ -285,13 +303,42 @@ class Launch:
         assert self._result is not None
         return self._result
 
+    def wait(self) -> RunResult:
+        """Wait for the run and return its RunResult, or raise its error.
+
+        Anything raised into the waiting thread (KeyboardInterrupt, a test timeout's exception
+        from a signal handler) first cancels the run, which returns once every rank and every
+        process the ranks started is gone, and then propagates unchanged.
+        """
+        with self.cancel_on_exception():
+            self._done.wait()
+        return self.result(0)
+
+    @contextlib.contextmanager
+    def cancel_on_exception(self) -> Iterator[None]:
+        """Cancel the run when the block raises anything, then let the exception go on
+        unchanged: for the caller's own code between starting a run and waiting for it."""
+        try:
+            yield
+        except BaseException as exc:
+            self.cancel(_interruption(exc))
+            raise
+
     def cancel(self, reason: str = "the run was cancelled") -> bool:
-        """Stop every rank and wait until they are gone; False if the run had already ended."""
+        """Stop every rank and wait until they are gone; False if the run had already ended.
+
+        In local mode the ranks, and everything they started, are ended on this thread, so
+        this returns within about two seconds; in Spark mode the agents end them on the
+        executors, and this waits for them (``ABORT_GRACE_S`` at most).
+        """
         with self._lock:
             if self._done.is_set():
                 return False
             self._cancel_reason = reason
-            request_cancel(self._attempt.monitor, reason)
+            attempt = self._attempt
+        if attempt is not None:
+            request_cancel(attempt.monitor, reason, attempt.submission)
+        # The supervisor closes the attempt (and the MLflow run) once its agents returned.
         self._done.wait(ABORT_GRACE_S)
         return True
 
@@ -329,14 +376,20 @@ def launch(
         WorkerFailedError: a rank failed (every other rank has been stopped).
         RendezvousError: a rank did not join within ``config.start_timeout_s``.
         RunTimeoutError: the run took longer than ``config.timeout_s``.
-        KeyboardInterrupt: after Ctrl-C stopped every rank (and cancelled the Spark job).
+        KeyboardInterrupt, or any exception raised into the waiting thread: unchanged, after
+            every rank and everything it started was stopped (and the Spark job cancelled).
     """
     run = Launch(config, job, session=session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe)
-    try:
-        return run.result()
-    except KeyboardInterrupt:
-        run.cancel("the driver was interrupted (Ctrl-C)")
-        raise
+    return run.wait()
+
+
+def _interruption(exc: BaseException) -> str:
+    """Why a run is cancelled when ``exc`` interrupted the thread waiting for it."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "the driver was interrupted (Ctrl-C)"
+    text = str(exc).strip().splitlines()
+    detail = f": {text[0][:200]}" if text else ""
+    return f"the driver's waiting thread was interrupted by {type(exc).__name__}{detail}"
 
 
 _warned: set[str] = set()

@@ -35,7 +35,7 @@ from sparkdist._core.errors import (
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
-from sparkdist._node.agent import AgentSpec, run_agent
+from sparkdist._node.agent import Agent, AgentSpec
 from sparkdist._node.detached import failures_in
 from sparkdist._wire.channel import ChannelServer, Message, Peer
 from sparkdist._wire.payload import Outcome, loads
@@ -46,6 +46,11 @@ logger = logging.getLogger("sparkdist")
 FAILURE_GRACE_S = 30.0
 #: After an abort, how long the driver waits for every agent to confirm its ranks are gone.
 ABORT_GRACE_S = 60.0
+#: Spark mode, after an abort: how long the agents that reached the channel get to end their
+#: ranks and say bye before the stage is cancelled (cancelling first lets Spark kill an agent
+#: mid-way, its Python worker SIGKILLed after spark.python.task.killTimeout, and its ranks then
+#: end themselves, less thoroughly).
+AGENT_STOP_S = 5.0
 #: How long the driver waits for the agents' last output lines after the run ends.
 OUTPUT_DRAIN_S = 5.0
 
@@ -253,9 +258,11 @@ class Submission:
         self.done = False
         self._monitor = monitor
         self._stage = None
+        self._agent: Agent | None = None
         work: Callable[[], list[Outcome]]
         if local_mode:
-            work = lambda: run_agent(template)
+            self._agent = Agent(template)
+            work = self._agent.run
         else:
             if dataframe is not None:
                 monitor.expect_rows()
@@ -279,7 +286,19 @@ class Submission:
                 self.done = True
                 self._monitor.changed.notify_all()
 
-    def cancel(self) -> None:
+    @property
+    def local(self) -> bool:
+        return self._agent is not None
+
+    def stop_local(self, reason: str) -> None:
+        """Local mode: end every rank now, on this thread, and return once they are gone (no
+        round trip through the control channel). Spark mode: nothing (see ``cancel``)."""
+        if self._agent is not None:
+            self._agent.stop(reason)
+
+    def cancel(self, reason: str = "the run was cancelled") -> None:
+        """End the agents' side: local mode as ``stop_local``; Spark mode cancels the stage."""
+        self.stop_local(reason)
         if self._stage is not None:
             try:
                 self._stage.cancel()
@@ -365,20 +384,31 @@ def supervise(config: LaunchConfig, submission: Submission, monitor: RunMonitor)
 def _stop(submission: Submission, monitor: RunMonitor, error: BaseException) -> BaseException:
     """Abort every rank, cancel the stage, and wait until the agents are done."""
     monitor.abort(str(error))
-    submission.cancel()
     # The condition's lock is reentrant and fully released while waiting, so the channel's
     # threads keep delivering messages even when the caller holds it.
+    if not submission.local:
+        # The agents that reached the channel end their ranks on the abort and say bye; only
+        # then is the stage cancelled (for the agents the abort cannot reach).
+        with monitor.changed:
+            monitor.changed.wait_for(
+                lambda: submission.done or set(monitor.node_hosts) <= monitor.byes,
+                timeout=AGENT_STOP_S,
+            )
+    submission.cancel(str(error))
     with monitor.changed:
         monitor.changed.wait_for(lambda: submission.done, timeout=ABORT_GRACE_S)
     return error
 
 
-def request_cancel(monitor: RunMonitor, reason: str) -> None:
-    """Ask the supervising thread to stop the run (it raises CancelledError)."""
+def request_cancel(monitor: RunMonitor, reason: str, submission: Submission | None = None) -> None:
+    """Ask the supervising thread to stop the run (it raises CancelledError); in local mode,
+    also end every rank on this thread, returning once they are gone."""
     with monitor.changed:
         monitor.cancelled = True
         monitor.changed.notify_all()
     monitor.abort(reason)
+    if submission is not None:
+        submission.stop_local(reason)
 
 
 def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:

@@ -8,8 +8,10 @@ every rank's fate through the same path.
 
 Watching: a worker that fails on its own is reported to the driver at once and its node-mates
 are killed without waiting for the driver's word; an "abort" from the driver (another node
-failed, a timeout, Ctrl-C) kills every worker here. Each worker leads its own process group, so
-killing the group takes its children (DataLoader workers) along.
+failed, a timeout, Ctrl-C) kills every worker here. Each worker leads its own process group;
+ending a rank ends its group, every descendant (one that called setsid included) and every
+process that inherited the rank's environment (``reaper``): SIGTERM, then SIGKILL after a short
+grace. In local mode the driver can also stop the agent directly (``Agent.stop``).
 
 Non-goals: deciding placement or environment (``_placement``, ``_env``), touching Spark.
 """
@@ -34,6 +36,7 @@ from typing import IO, Any
 from sparkdist._core.env import (
     DEEPSPEED_CONFIG_VAR,
     PARTITION_FILE_VAR,
+    RUN_ID_VAR,
     RankSeat,
     seats_of_node,
     worker_env,
@@ -47,6 +50,7 @@ from sparkdist._node.gpus import gpu_type_mismatch, gpus_at
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.partition import partition_path, write_partition
 from sparkdist._node.pool import RankProcess, start_rank
+from sparkdist._node.reaper import end_processes
 from sparkdist._shipping.code import put_code_first, unpack_code
 from sparkdist._wire.channel import ChannelClient, ChannelClosed, Message
 from sparkdist._wire.payload import Outcome
@@ -146,17 +150,9 @@ class _Worker:
         except (OSError, ValueError):
             pass  # it already exited; its waiter reports that
 
-    def kill(self) -> None:
-        """End the rank: SIGKILL its whole process group."""
-        self.killed = True
-        self.signal_group()
-
-    def signal_group(self) -> None:
-        """SIGKILL the rank's process group (a no-op once everything in it is gone)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def was_stopped(self, code: int | None) -> bool:
+        """Whether ``code`` is our stop (SIGTERM, or the SIGKILL after it), not its own death."""
+        return self.killed and code in (-signal.SIGTERM, -signal.SIGKILL)
 
 
 def run_agent(
@@ -173,7 +169,7 @@ def run_agent(
     With ``all_gather`` (a barrier task's), a node that cannot reach the driver's control
     channel runs detached (see ``_detached``) instead of failing.
     """
-    agent = _Agent(spec, expects_data=batches is not None, all_gather=all_gather)
+    agent = Agent(spec, expects_data=batches is not None, all_gather=all_gather)
     if batches is None:
         return agent.run()
     result: list[list[Outcome]] = []
@@ -197,7 +193,9 @@ def run_agent(
     return result[0]
 
 
-class _Agent:
+class Agent:
+    """One node's agent (see ``run_agent``); ``stop`` may be called from any thread."""
+
     def __init__(
         self,
         spec: AgentSpec,
@@ -217,6 +215,7 @@ class _Agent:
         self.master_port: int | None = None
         self.aborting = False
         self.abort_reason = ""
+        self.stop_reason: str | None = None  # set by ``stop``: spawn nothing more
         self.lock = threading.Lock()
 
     def run(self) -> list[Outcome]:
@@ -247,6 +246,8 @@ class _Agent:
                 self.code_dir = unpack_code(run_dir, self.spec.code_zip)
             # Spawn first: the workers' interpreter start-up overlaps with our handshake.
             self._spawn_all(run_dir, job_file)
+            if self.stop_reason is not None:  # stopped while spawning: end what started
+                self._end(list(self.workers.values()))
             client = self._connect()
             outbox = Outbox(client, keep_lines=KEPT_LINES if self.detached else 0)
             outbox.control({"t": "hello", "node": self.spec.node_rank, "host": self.spec.host})
@@ -263,8 +264,10 @@ class _Agent:
                 return self._detached_outcomes(outcomes, outbox)
             return outcomes
         finally:
+            # Normally everything is gone already; this also catches strays of ranks that
+            # ended on their own (a daemon a rank left in a session of its own).
+            self._end(list(self.workers.values()))
             for worker in self.workers.values():
-                worker.kill()
                 worker.proc.wait()
             if outbox is not None:
                 outbox.close(FLUSH_TIMEOUT_S)
@@ -395,7 +398,10 @@ class _Agent:
                 os.close(cmd_read)
                 os.close(note_write)
             worker = _Worker(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
-            self.workers[seat.rank] = worker
+            with self.lock:
+                self.workers[seat.rank] = worker
+                if self.stop_reason is not None:
+                    return  # ``stop`` came: start no more ranks
 
     def _start_threads(self, outbox: Outbox) -> None:
         for worker in self.workers.values():
@@ -443,6 +449,9 @@ class _Agent:
         worker.ended = time.monotonic()
         worker.ended_at = time.time()
         self.events.put(("exit", (worker, code)))
+        # Strays the rank left behind (its children, daemons it started) go with it; here,
+        # not on the watching thread, so their grace never delays a failure report.
+        end_processes([worker.proc.pid], tag=self._tag(worker.seat.rank))
 
     def _on_driver_message(self, message: Message) -> None:
         kind = message.get("t")
@@ -469,8 +478,6 @@ class _Agent:
                 worker, code = payload
                 running.discard(worker.seat.rank)
                 worker.ctrl_in.close()
-                # Strays the rank left behind (its children) go with it.
-                worker.signal_group()
                 if code != 0 and not self.aborting:
                     outbox.control(
                         {
@@ -539,13 +546,56 @@ class _Agent:
         self._abort(f"rank(s) {names} sent no heartbeat for {timeout} s")
 
     def _abort(self, reason: str) -> None:
-        if self.aborting:
-            return
-        self.aborting = True
-        self.abort_reason = reason
-        for worker in self.workers.values():
+        with self.lock:
+            if self.aborting:
+                return
+            self.aborting = True
+            self.abort_reason = reason
+            workers = list(self.workers.values())
+        self._end(workers)
+
+    def stop(self, reason: str) -> None:
+        """End every rank of this node now, from any thread; return once they are gone.
+
+        Local mode calls it on the driver's cancelling thread: the ranks end without a round
+        trip through the control channel, and a stop that comes while ranks are still being
+        spawned starts no more of them.
+        """
+        with self.lock:
+            self.stop_reason = reason
+            if not self.aborting:
+                self.aborting = True
+                self.abort_reason = reason
+            workers = list(self.workers.values())
+        self.events.put(("abort", reason))  # wakes the watching thread
+        # Even when the agent is already aborting (on its own thread): return only once
+        # every rank is gone.
+        self._end(workers)
+
+    def _end(self, workers: list[_Worker]) -> None:
+        """End ``workers`` and everything they started (``reaper``); return once gone."""
+        for worker in workers:
             if worker.ended is None:
-                worker.kill()
+                worker.killed = True
+        if workers:
+            survivors = end_processes([w.proc.pid for w in workers], tag=self._tag())
+            if survivors:
+                logger.warning(
+                    "sparkdist: process(es) %s of run %s outlived SIGKILL (stuck in the kernel?)",
+                    survivors,
+                    self.spec.run_id,
+                )
+
+    def _tag(self, rank: int | None = None) -> dict[str, str]:
+        """What this node's (or one rank's) processes carry in their environment."""
+        tag = {
+            RUN_ID_VAR: self.spec.run_id,
+            "GROUP_RANK": str(self.spec.node_rank),
+            "TORCHELASTIC_RESTART_COUNT": str(self.spec.restart_count),
+        }
+        if rank is not None:
+            tag["RANK"] = str(rank)
+        return tag
 
     # -- outcomes -------------------------------------------------------------------------
 
@@ -559,9 +609,9 @@ class _Agent:
         wall = (worker.ended or time.monotonic()) - worker.started
         value_file = _worker.value_path(run_dir, seat.rank)
         failure_file = _worker.failure_path(run_dir, seat.rank)
-        # Our kill shows as SIGKILL; a rank that died of something else (a segfault) just
-        # before we reached it failed on its own.
-        killed_by_us = worker.killed and code == -signal.SIGKILL and worker.hung_for_s is None
+        # Our stop shows as SIGTERM or SIGKILL; a rank that died of something else (a
+        # segfault) just before we reached it failed on its own.
+        killed_by_us = worker.was_stopped(code) and worker.hung_for_s is None
         if code == 0 and os.path.exists(value_file):
             with open(value_file, "rb") as f:
                 return Outcome(
@@ -607,8 +657,8 @@ class _Agent:
                 f"(heartbeat_timeout_s={self.spec.heartbeat_timeout_s}); its stack is in its "
                 "last output lines"
             )
-        elif worker.killed and self.aborting and code == -signal.SIGKILL:
-            # Our SIGKILL, not its own death (it may have exited just before we sent it).
+        elif worker.was_stopped(code) and self.aborting:
+            # Our signal, not its own death (it may have exited just before we sent it).
             message = f"stopped by sparkdist: {self.abort_reason}"
         return RankFailure(
             rank=worker.seat.rank,

@@ -33,6 +33,7 @@ import weakref
 from types import TracebackType
 from typing import Any, BinaryIO
 
+from sparkdist._core.env import RUN_ID_VAR
 from sparkdist._core.errors import RankFailure
 
 JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
@@ -40,6 +41,8 @@ RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
 CTRL_IN_VAR = "SPARKDIST_CTRL_IN"
 CTRL_OUT_VAR = "SPARKDIST_CTRL_OUT"
 START_TIMEOUT_VAR = "SPARKDIST_START_TIMEOUT_S"
+#: What every process this rank starts inherits: marks strays of this rank and attempt.
+_OWN_VARS = (RUN_ID_VAR, "TORCHELASTIC_RESTART_COUNT", "RANK")
 
 #: The store rank 0 hosts; a module global so it lives exactly as long as the process.
 _store: Any = None
@@ -86,9 +89,14 @@ class _AgentLink:
                 self.rendezvous.set()
         # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
         # clean up after the run: remove its directory and take our whole process group
-        # (DataLoader workers included) down with us.
+        # (DataLoader workers included) down with us, and what left it (a child that called
+        # setsid, a daemon carrying our environment).
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        from sparkdist._node.reaper import end_descendants
+
+        own = {k: os.environ.get(k, "") for k in _OWN_VARS}
+        end_descendants(own if all(own.values()) else None)
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
