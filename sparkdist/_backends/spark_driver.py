@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from sparkdist._backends.session import active_session as active_session
 from sparkdist._backends.session import get_or_create_session as get_or_create_session
 from sparkdist._backends.session import is_connect
+from sparkdist._core.config import DEFAULT_START_TIMEOUT_S
+from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import check_barrier_slots, estimate_barrier_slots
 
 logger = logging.getLogger("sparkdist")
-
-#: How long to wait for executors to register before declaring the cluster too small.
-SLOT_WAIT_S = 20.0
-
 
 #: Conf keys sparkdist reads; a Connect session is asked for each (no getAll there).
 CONF_KEYS = (
@@ -83,11 +83,15 @@ def driver_host(session: Any) -> str:
         return "127.0.0.1"
 
 
-def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = None) -> int:
+def wait_for_barrier_slots(
+    session: Any, needed: int, wait_s: float = DEFAULT_START_TIMEOUT_S
+) -> int:
     """Return the cluster's barrier slots once there are enough, or raise ClusterError.
 
-    Executors register after the session starts (local-cluster, standalone), so a too-small
-    count is re-read for a few seconds before it is final; Spark's own check would wait minutes.
+    Executors register after the session starts (local-cluster, standalone, YARN, Kubernetes),
+    slowly on a loaded machine, so a too-small count is re-read until it is enough, every
+    executor the conf asks for has registered (the count is final), or ``wait_s`` (the run's
+    ``start_timeout_s``) has passed. Spark's own check would wait minutes and name no numbers.
     """
     if is_connect(session):
         # Connect exposes no executor list: estimate from the conf, else let Spark check.
@@ -96,16 +100,102 @@ def wait_for_barrier_slots(session: Any, needed: int, wait_s: float | None = Non
             check_barrier_slots(needed, found, spark_conf(session).get("spark.master", "?"))
         return needed if found is None else found
     jsc = session.sparkContext._jsc.sc()
-    deadline = time.monotonic() + (SLOT_WAIT_S if wait_s is None else wait_s)
+    conf = spark_conf(session)
+    expected = expected_executors(conf)
+    started = time.monotonic()
+    said_waiting = False
     while True:
         try:
             profile = jsc.resourceProfileManager().defaultResourceProfile()
             found = int(jsc.maxNumConcurrentTasks(profile))
-        except Exception:  # a Spark without this internal API: let Spark check at submission
+            # The status tracker lists the driver too. It learns of an executor after the
+            # scheduler counts its slots, so "all registered" here means all counted there.
+            registered = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)
+        except Exception:  # a Spark without these internal APIs: let Spark check at submission
             logger.debug("sparkdist: cannot count barrier slots", exc_info=True)
             return needed
-        if found >= needed or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)  # executors register asynchronously; there is no event to wait on
-    check_barrier_slots(needed, found, jsc.master())
-    return found
+        waited_s = time.monotonic() - started
+        if found >= needed:
+            return found
+        if (expected is not None and registered >= expected) or waited_s >= wait_s:
+            raise barrier_slots_error(needed, found, registered, expected, waited_s, conf)
+        if not said_waiting and waited_s >= 5.0:
+            said_waiting = True
+            logger.info(
+                "sparkdist: waiting for executors: %d of %s registered, %d of %d task slots "
+                "(up to start_timeout_s=%g s)",
+                registered,
+                "?" if expected is None else expected,
+                found,
+                needed,
+                wait_s,
+            )
+        time.sleep(0.2)  # executors register asynchronously; Python sees no event for it
+
+
+#: The conf keys that decide how many barrier slots a cluster has, in the order to show them.
+SLOT_KEYS = (
+    "spark.executor.instances",
+    "spark.executor.cores",
+    "spark.task.cpus",
+    "spark.executor.resource.gpu.amount",
+    "spark.task.resource.gpu.amount",
+)
+
+
+def expected_executors(conf: Mapping[str, str]) -> int | None:
+    """How many executors the conf asks for (0 for a ``local`` master), None if it does not say.
+
+    ``local-cluster[n,cores,memory]`` starts n; YARN and Kubernetes start
+    ``spark.executor.instances``; a standalone master starts what its Workers can hold.
+    """
+    master = conf.get("spark.master", "")
+    if re.fullmatch(r"local(\[.*\])?", master):
+        return 0  # the driver runs the tasks: no executor will come
+    cluster = re.fullmatch(r"local-cluster\[\s*(\d+)\s*,.*\]", master)
+    if cluster:
+        return int(cluster.group(1))
+    try:
+        instances = int(conf.get("spark.executor.instances", ""))
+    except ValueError:
+        return None
+    return instances if instances > 0 else None
+
+
+def barrier_slots_error(
+    needed: int,
+    found: int,
+    registered: int,
+    expected: int | None,
+    waited_s: float,
+    conf: Mapping[str, str],
+) -> ClusterError:
+    """The error for a cluster with too few barrier slots: the counts, the settings, the fix."""
+    master = conf.get("spark.master", "?")
+    settings = ", ".join(f"{key}={conf.get(key, 'unset')}" for key in SLOT_KEYS)
+    if expected == 0:
+        task_cpus = conf.get("spark.task.cpus", "1")
+        threads = needed * int(task_cpus) if task_cpus.isdigit() else needed
+        return ClusterError(
+            f"the barrier stage needs {needed} task slots at once but master {master!r} runs "
+            f"{found} task(s) at once (spark.task.cpus={task_cpus}); use a master with more "
+            f"threads (local[{threads}] or more) or lower num_processes"
+        )
+    if expected is None:
+        counted = f"{registered} executor(s) registered after {waited_s:.1f} s"
+    else:
+        counted = f"{registered} of {expected} executors registered after {waited_s:.1f} s"
+    if expected is not None and registered < expected:
+        fix = (
+            "executors are still starting or cannot start: raise start_timeout_s, or check that "
+            "the cluster has room for them (the master's UI, the executors' logs)"
+        )
+    else:
+        fix = (
+            "add executors or cores (spark.executor.instances, spark.executor.cores, GPU "
+            "amounts), or lower num_processes"
+        )
+    return ClusterError(
+        f"the barrier stage needs {needed} task slots at once but the cluster offers {found}: "
+        f"{counted} (master {master!r}, {settings}); {fix}"
+    )

@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
-from sparkdist import Distributor, TorchDistributor, WorkerFailedError
+from sparkdist import ClusterError, Distributor, TorchDistributor, WorkerFailedError
 from tests.conftest import run_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
@@ -36,6 +37,21 @@ def all_reduce():
 def test_cpu_ranks_on_separate_executors(spark_cluster):
     result = Distributor(2, local_mode=False, use_gpu=False).run_all(all_reduce)
     assert result.values == [2.0, 2.0] and result.num_tasks == 2
+
+
+def test_too_few_slots_once_every_executor_registered_fails_at_once(spark_cluster):
+    # Both executors are there and offer 2 slots: waiting the whole start_timeout_s for a
+    # third would be pointless, so the error comes at once with the counts and the settings.
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as info:
+        Distributor(3, local_mode=False, use_gpu=False, start_timeout_s=600).run(lambda: 1)
+    assert time.monotonic() - started < 60
+    message = str(info.value)
+    assert "needs 3 task slots at once but the cluster offers 2: 2 of 2 executors registered" \
+        in message
+    assert "master 'local-cluster[2,1,1024]'" in message
+    assert "spark.executor.resource.gpu.amount=2, spark.task.resource.gpu.amount=1" in message
+    assert not run_processes()
 
 
 def test_fake_gpus_become_cuda_visible_devices_and_local_rank(spark_cluster):
