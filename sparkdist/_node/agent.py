@@ -50,7 +50,7 @@ from sparkdist._node.gpus import gpu_type_mismatch, gpus_at
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.partition import partition_path, write_partition
 from sparkdist._node.pool import RankProcess, start_rank
-from sparkdist._node.reaper import end_processes
+from sparkdist._node.reaper import end_processes, start_time
 from sparkdist._shipping.code import put_code_first, unpack_code
 from sparkdist._wire.channel import ChannelClient, ChannelClosed, Message
 from sparkdist._wire.payload import Outcome
@@ -131,6 +131,8 @@ class _Worker:
     ) -> None:
         self.seat = seat
         self.proc = proc
+        # With the pid, names the process: a pid reused after it ended is never signalled.
+        self.proc_started = start_time(proc.pid)
         self.ctrl_in = ctrl_in  # our write end of its command pipe; open until it exits
         self.notes = notes  # the read end of its notes pipe
         self.started = time.monotonic()
@@ -451,7 +453,7 @@ class Agent:
         self.events.put(("exit", (worker, code)))
         # Strays the rank left behind (its children, daemons it started) go with it; here,
         # not on the watching thread, so their grace never delays a failure report.
-        end_processes([worker.proc.pid], tag=self._tag(worker.seat.rank))
+        end_processes({worker.proc.pid: worker.proc_started}, tag=self._tag(worker.seat.rank))
 
     def _on_driver_message(self, message: Message) -> None:
         kind = message.get("t")
@@ -578,7 +580,9 @@ class Agent:
             if worker.ended is None:
                 worker.killed = True
         if workers:
-            survivors = end_processes([w.proc.pid for w in workers], tag=self._tag())
+            survivors = end_processes(
+                {w.proc.pid: w.proc_started for w in workers}, tag=self._tag()
+            )
             if survivors:
                 logger.warning(
                     "sparkdist: process(es) %s of run %s outlived SIGKILL (stuck in the kernel?)",

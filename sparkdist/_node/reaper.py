@@ -92,8 +92,8 @@ def _has_tag(pid: int, tag: Mapping[str, str]) -> bool:
 class _Targets:
     """The processes to end, by (pid, start time), found again on every look."""
 
-    def __init__(self, roots: Iterable[int], tag: Mapping[str, str] | None) -> None:
-        self.roots = set(roots)
+    def __init__(self, roots: Mapping[int, int | None], tag: Mapping[str, str] | None) -> None:
+        self.roots = dict(roots)
         self.tag = dict(tag) if tag else None
         self.known: dict[int, int] = {}  # pid -> start time
         self.groups: set[int] = set()
@@ -105,10 +105,16 @@ class _Targets:
     def look(self, with_tags: bool) -> list[_Proc]:
         """Re-scan; return the live (non-zombie) targets, newly found ones included."""
         table = process_table()
-        for pid in self.roots:
+        for pid, started in self.roots.items():
             proc = table.get(pid)
-            if proc is not None and pid not in self.known:
+            if proc is None:
+                # Exited and reaped: its group may still hold strays. While it has members
+                # no new process can take the pid, so the group is still the rank's.
+                self.groups.add(pid)
+            elif started is None or proc.started == started:
                 self._add(proc)
+            # else: the pid now names another process (reused): neither it nor its group
+        self.roots = {}  # only on the first look: later, the pid could be reused meanwhile
         children: dict[int, list[_Proc]] = {}
         for proc in table.values():
             children.setdefault(proc.ppid, []).append(proc)
@@ -157,8 +163,14 @@ class _Targets:
                     pass
 
 
+def start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), or None where it is gone or unknown."""
+    proc = _read_stat(pid)
+    return proc.started if proc is not None else None
+
+
 def end_processes(
-    roots: Iterable[int],
+    roots: Mapping[int, int | None] | Iterable[int],
     *,
     tag: Mapping[str, str] | None = None,
     grace_s: float = KILL_GRACE_S,
@@ -167,7 +179,9 @@ def end_processes(
     """End ``roots``, their process groups and every descendant; wait until they are gone.
 
     Args:
-        roots: pids of processes that lead their own group (ranks).
+        roots: pids of processes that lead their own group (ranks), or a mapping of those
+            pids to their start times (``start_time``), so that a pid already reused by
+            another process is left alone.
         tag: environment entries that mark a process as belonging to them (a run's and node's
             ids): such a process is ended even when its parent already died.
         grace_s: how long ``first_signal`` has to work before SIGKILL.
@@ -178,7 +192,7 @@ def end_processes(
 
     Returns within about ``grace_s + KILL_CONFIRM_S`` seconds, whatever the processes do.
     """
-    roots = list(roots)
+    roots = dict(roots) if isinstance(roots, Mapping) else dict.fromkeys(roots)
     if not os.path.isdir("/proc"):  # no tree to walk: the groups are all we can reach
         for pid in roots:
             try:
@@ -187,7 +201,6 @@ def end_processes(
                 pass
         return []
     targets = _Targets(roots, tag)
-    targets.groups.update(roots)
     live = targets.look(with_tags=True)
     if not live:
         return []

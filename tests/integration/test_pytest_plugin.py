@@ -23,6 +23,7 @@ HANG_TIMEOUT_S = 3
 
 # A user's tests; written as test_user.py and run in both modes.
 USER_TESTS = f"""
+import os
 import subprocess
 import sys
 import time
@@ -77,10 +78,13 @@ def test_a_failing_rank_can_be_expected(distributed):
 
 def leave_a_process_behind():
     if runtime.get_global_rank() == 0:
-        # Its own session (the agent's group kill misses it), no pipes of the rank.
+        # Its own session, no pipes of the rank, and an environment the agent's reaping does
+        # not take for this rank's (no TORCHELASTIC_RESTART_COUNT): only the plugin's leak
+        # check, which looks for any process of the run, catches it.
+        env = {{k: v for k, v in os.environ.items() if k != "TORCHELASTIC_RESTART_COUNT"}}
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
                          start_new_session=True, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+                         stderr=subprocess.DEVNULL, env=env)
     return "ok"
 
 
