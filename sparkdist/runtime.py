@@ -188,24 +188,39 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
     Call it from the main process each step or every few steps. Non-finite or non-numeric
     metric values are dropped. Outside a sparkdist rank it does nothing.
 
+    Raises:
+        ValueError: the report cannot travel to the driver: more than 1000 metrics, a name
+            longer than 250 characters, or a step beyond 64 bits (the message names which).
+
     Example:
         >>> runtime.report(step=10, total=100, loss=0.25)
     """
     from sparkdist._node import worker as _worker
+    from sparkdist._wire import protocol
 
     clean = {
         str(k): float(v)
         for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
-    _worker.send_to_agent(
-        {
-            "t": "report",
-            "step": int(step) if step is not None else None,
-            "total": int(total) if total is not None else None,
-            "metrics": clean,
-        }
+    message = protocol.Report(
+        rank=0,  # the agent stamps the real rank
+        step=int(step) if step is not None else None,
+        total=int(total) if total is not None else None,
+        metrics=clean,
     )
+    try:
+        protocol.encode(message)
+    except protocol.ProtocolError as exc:
+        # Said here, in the rank, at the call: dropped on the way, it would vanish unexplained.
+        raise ValueError(
+            f"runtime.report() cannot send this report to the driver: {exc}; report at most "
+            f"{protocol.MAX_METRICS} metrics, named in at most {protocol.MAX_METRIC_NAME_CHARS} "
+            "characters"
+        ) from None
+    wire = protocol.wire_dict(message)
+    del wire["rank"]
+    _worker.send_to_agent(wire)
 
 
 # -- checkpoints ---------------------------------------------------------------------------

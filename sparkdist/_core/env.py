@@ -25,6 +25,35 @@ CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
 PARTITION_FILE_VAR = "SPARKDIST_PARTITION_FILE"
 ROWS_PER_RANK_VAR = "SPARKDIST_ROWS_PER_RANK"
 
+#: Variables the launcher reads from the driver's (or the test session's) environment.
+#: ``off``: barrier tasks rendezvous through Spark's allGather, not the driver's channel.
+CONTROL_CHANNEL_VAR = "SPARKDIST_CONTROL_CHANNEL"
+#: Spark Connect: the address executors reach this process at.
+DRIVER_HOST_VAR = "SPARKDIST_DRIVER_HOST"
+#: ``0`` spawns every rank cold (no warm pool of torch-imported processes).
+WORKER_POOL_VAR = "SPARKDIST_WORKER_POOL"
+#: Set in a warm pool's zygote process.
+ZYGOTE_VAR = "SPARKDIST_ZYGOTE"
+#: ``0`` turns MLflow tracking off where ``mlflow=`` is not given.
+TRACKING_VAR = "SPARKDIST_MLFLOW"
+#: Seconds between two plain progress lines.
+PROGRESS_INTERVAL_VAR = "SPARKDIST_PROGRESS_INTERVAL_S"
+#: ``1`` keeps every traceback frame (sparkdist's own included).
+FULL_TRACEBACK_VAR = "SPARKDIST_FULL_TRACEBACK"
+#: The pytest session a run belongs to (the plugin's leak check counts only its own).
+PYTEST_SESSION_VAR = "SPARKDIST_PYTEST_SESSION"
+
+#: MLflow's variables, set in every rank when the driver tracks the run.
+MLFLOW_RUN_ID_VAR = "MLFLOW_RUN_ID"
+MLFLOW_EXPERIMENT_ID_VAR = "MLFLOW_EXPERIMENT_ID"
+MLFLOW_TRACKING_URI_VAR = "MLFLOW_TRACKING_URI"
+
+#: The only variables the driver may add to the ranks' environment with the rendezvous (the
+#: control channel refuses any other: a message can never set ``LD_PRELOAD`` or ``MASTER_ADDR``).
+RENDEZVOUS_ENV_VARS = frozenset(
+    {MLFLOW_RUN_ID_VAR, MLFLOW_EXPERIMENT_ID_VAR, MLFLOW_TRACKING_URI_VAR, ROWS_PER_RANK_VAR}
+)
+
 #: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
 #: which would describe the wrong world if inherited.
 _STALE = ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "GROUP_WORLD_SIZE", "ROLE_NAME")

@@ -1,89 +1,128 @@
-"""An agent's outgoing messages to the driver, sent by one thread.
+"""An agent's outgoing messages to the driver.
 
-Nothing else in the agent ever blocks on the driver's socket: control messages (rendezvous,
-failures) are never dropped; output lines and progress reports are dropped, and counted, when
-the driver falls behind or is gone, so a slow or vanished driver never stalls training.
+Nothing in the agent ever blocks on the driver's socket: the channel client queues and sends
+on its own thread. Control messages (rendezvous, failures) are never dropped; output lines and
+progress reports are dropped, and counted, when the driver falls behind or is gone, so a slow
+or vanished driver never stalls training. A message that cannot travel (a report over the
+channel's limits) is dropped and counted too, with a warning naming the limit: it never cuts
+the node off. An output line longer than a message allows goes as several.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 import threading
+import time
+from collections.abc import Mapping
+from typing import Any
 
-from sparkdist._wire.channel import ChannelClient, ChannelClosed, Message
+from sparkdist._wire import protocol
+from sparkdist._wire.client import POST_QUEUE, ChannelClient, ChannelClosed
+
+logger = logging.getLogger("sparkdist")
 
 #: Output lines buffered for the driver before new ones are dropped (and counted).
-OUTBOX_CAPACITY = 10_000
+OUTBOX_CAPACITY = POST_QUEUE
+
+Outgoing = protocol.Message | Mapping[str, Any]
 
 
 class Outbox:
-    """Messages for the driver; see the module docstring."""
+    """Messages for the driver; see the module docstring.
+
+    Args:
+        client: the channel to the driver, or None (a detached node, or no driver).
+        keep_lines: without a client, keep up to this many of the latest lines in ``kept``
+            (they travel back with the outcomes instead).
+    """
 
     def __init__(self, client: ChannelClient | None, keep_lines: int = 0) -> None:
         self._client = client
-        # Without a driver to send to (a detached node), up to keep_lines lines are kept here
-        # and travel back with the outcomes instead.
-        self.kept: collections.deque[Message] = collections.deque()
+        self.kept: collections.deque[Any] = collections.deque()
         self._keep_lines = keep_lines
-        self._control: collections.deque[Message] = collections.deque()
-        self._lines: collections.deque[Message] = collections.deque()
-        self._cond = threading.Condition()
-        self._closing = False
-        self._final: Message | None = None
-        self.dropped = 0
-        self._thread = threading.Thread(
-            target=self._send_loop, name="sparkdist-outbox", daemon=True
-        )
-        self._thread.start()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._dropped = 0
+        self._warned = False
 
-    def control(self, message: Message) -> None:
-        with self._cond:
-            self._control.append(message)
-            self._cond.notify()
+    @property
+    def dropped(self) -> int:
+        """Lines and reports that never reached the driver."""
+        return self._dropped + (self._client.dropped if self._client is not None else 0)
 
-    def line(self, message: Message) -> None:
-        with self._cond:
-            if self._client is None and self._keep_lines:
+    def control(self, message: Outgoing) -> None:
+        """Send a control message (never dropped while the channel lives)."""
+        if self._client is None:
+            return
+        try:
+            self._client.send(message)
+        except ChannelClosed:
+            pass  # the driver is gone; the agent hears of it through the client's on_close
+        except protocol.ProtocolError as exc:  # a bug: say so, keep the node connected
+            logger.error("sparkdist: a control message could not be sent: %s", exc)
+
+    def line(self, message: Outgoing) -> None:
+        """Send an output line or a progress report (dropped, and counted, when it cannot go)."""
+        if self._client is None:
+            with self._lock:
+                if not self._keep_lines:
+                    self._dropped += 1
+                    return
                 if len(self.kept) >= self._keep_lines:
                     self.kept.popleft()  # keep the latest lines: the end is what explains
-                    self.dropped += 1
+                    self._dropped += 1
                 self.kept.append(message)
-                return
-            if len(self._lines) >= OUTBOX_CAPACITY or self._client is None:
-                self.dropped += 1
-                return
-            self._lines.append(message)
-            self._cond.notify()
-
-    def close(self, timeout_s: float, final: Message | None = None) -> None:
-        """Send what is queued (within ``timeout_s``), then ``final`` with the drop count."""
-        with self._cond:
-            if not self._closing and final is not None:
-                self._final = final
-            self._closing = True
-            self._cond.notify()
-        self._thread.join(timeout=timeout_s)
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._control or self._lines or self._closing):
-                    self._cond.wait()
-                if self._control:
-                    message = self._control.popleft()
-                elif self._lines:
-                    message = self._lines.popleft()
-                elif self._final is not None:
-                    message, self._final = {**self._final, "dropped": self.dropped}, None
-                else:
-                    return
-            if self._client is None:
-                continue
+            return
+        for part in _fitting(message):
             try:
-                self._client.send(message)
-            except (ChannelClosed, OSError, ValueError):
-                with self._cond:
-                    self.dropped += len(self._lines) + (message.get("t") == "log")
-                    self._lines.clear()
-                    self._control.clear()
-                    self._client = None
+                self._client.post(part)
+            except protocol.ProtocolError as exc:
+                with self._lock:
+                    self._dropped += 1
+                    warn, self._warned = not self._warned, True
+                if warn:
+                    logger.warning(
+                        "sparkdist: a message was dropped, it cannot travel to the driver: %s "
+                        "(later ones are only counted)",
+                        exc,
+                    )
+
+    def close(self, timeout_s: float, final: Outgoing | None = None) -> None:
+        """Send what is queued (within ``timeout_s``), then ``final`` with the drop count.
+
+        Only the first call does anything.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        client = self._client
+        if client is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        client.flush(timeout_s)
+        if final is None:
+            return
+        if isinstance(final, Mapping):
+            final = {**final, "dropped": self.dropped}
+        elif isinstance(final, protocol.Bye):
+            final = dataclasses.replace(final, dropped=self.dropped)
+        try:
+            client.send(final)
+        except (ChannelClosed, protocol.ProtocolError):
+            return
+        client.flush(max(0.0, deadline - time.monotonic()))
+
+
+def _fitting(message: Outgoing) -> list[Outgoing]:
+    """``message``, or an over-long output line as several lines that each fit."""
+    if isinstance(message, protocol.Log):
+        return list(protocol.log_chunks(message.rank, message.stream, message.line))
+    if isinstance(message, Mapping) and message.get("t") == "log":
+        line = message.get("line")
+        if isinstance(line, str) and len(line) > protocol.MAX_LOG_CHARS:
+            step = protocol.MAX_LOG_CHARS
+            return [{**message, "line": line[i : i + step]} for i in range(0, len(line), step)]
+    return [message]

@@ -1,122 +1,175 @@
-"""The driver's control channel: rendezvous data, rank output and failures, over one TCP port.
+"""The driver's control channel: rendezvous data, rank output, progress and failures, over one
+TCP port.
 
-Frames are a 4-byte big-endian length followed by a JSON object; nothing received is ever
-unpickled. A connection is accepted only after a mutual HMAC challenge with the run's secret:
-the server proves it knows the secret too, so an agent never takes an "abort" or a rendezvous
-port from a stranger. Frames are capped (small until authenticated). Results never travel here;
-they come back through Spark's collect (or, in local mode, the agent's return value).
+One I/O thread serves every connection with non-blocking sockets (``selectors``), and one
+dispatch thread hands the messages to ``on_message``: the driver's thread count does not grow
+with the number of nodes. What a stranger can cost is bounded: a connection must finish the
+mutual handshake (``frames``) within ``HANDSHAKE_DEADLINE_S`` of its accept, whatever it
+sends; at most ``MAX_PENDING`` connections wait in the handshake (the oldest goes first to
+make room, once it had ``MIN_PENDING_AGE_S`` to finish); running out of file descriptors
+(EMFILE) makes the accept back off, never stop. After the handshake every frame is tagged
+under the connection's key and checked, and every message is checked by ``protocol.decode``:
+nothing received is ever unpickled. A frame that fails ends that connection (its node is then
+lost). Results never travel here; they come back through Spark's collect (or, in local mode,
+the agent's return value).
 
-Non-goals: what the messages mean (``_launcher`` and ``_agent`` decide), reliability beyond TCP.
+Back-pressure: when the handlers fall behind, the I/O thread stops reading from agents (TCP
+then holds their frames, and their droppable output queues fill and drop, counted); sends to
+an agent never block the sender, and an agent that stops reading is dropped once its backlog
+passes ``MAX_PEER_BACKLOG_BYTES``. ``close`` returns within ``CLOSE_TIMEOUT_S``.
+
+Non-goals: what the messages mean (the supervisor and the agent decide), reliability beyond
+TCP. The agent's side is ``client.ChannelClient``.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
+import collections
+import errno
 import logging
-import os
+import selectors
 import socket
-import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
+
+from sparkdist._wire import frames, protocol
+from sparkdist._wire.client import ChannelClient, ChannelClosed, coerce
+from sparkdist._wire.frames import new_secret
+from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
+
+__all__ = [
+    "ChannelClient",
+    "ChannelClosed",
+    "ChannelServer",
+    "MAX_FRAME_BYTES",
+    "MAX_HANDSHAKE_BYTES",
+    "Message",
+    "Peer",
+    "new_secret",
+]
 
 logger = logging.getLogger("sparkdist")
 
+#: The wire form (a dict) handed to handlers that do not take typed records (``typed=False``).
 Message = dict[str, Any]
 
-#: Largest frame after authentication; a rank's line is capped at 64 KiB before it gets here.
-MAX_FRAME_BYTES = 1 << 20
-#: Largest frame before authentication: a challenge or its answer.
-MAX_HANDSHAKE_BYTES = 1024
-HANDSHAKE_TIMEOUT_S = 10.0
-SEND_TIMEOUT_S = 30.0
-
-_HEADER = struct.Struct(">I")
-
-
-def _block_reads_bound_sends(sock: socket.socket) -> None:
-    """Reads wait as long as it takes (a node may print nothing for an hour); a send to a
-    peer that stopped reading gives up after SEND_TIMEOUT_S instead of blocking forever."""
-    sock.settimeout(None)
-    seconds = int(SEND_TIMEOUT_S)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", seconds, 0))
-
-
-class ChannelClosed(ConnectionError):
-    """The peer went away, or sent something that broke the protocol."""
-
-
-def new_secret() -> str:
-    """A fresh per-run secret (hex)."""
-    return os.urandom(32).hex()
+MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES
+#: A connection that has not finished the handshake this long after its accept is dropped.
+HANDSHAKE_DEADLINE_S = 2.0
+#: Most connections in the handshake at once.
+MAX_PENDING = 256
+#: A connection in the handshake is not evicted to make room before it had this long.
+MIN_PENDING_AGE_S = 0.1
+#: How long the accept pauses when the process is out of file descriptors and nothing can go.
+ACCEPT_BACKOFF_S = 0.05
+#: Connections accepted per turn of the I/O loop (the others' reads go in between).
+ACCEPT_BATCH = 64
+#: ``close`` returns within this, whatever the agents do.
+CLOSE_TIMEOUT_S = 0.5
+#: Bytes waiting to be sent to one agent before it counts as gone (it stopped reading).
+MAX_PEER_BACKLOG_BYTES = 8 << 20
+#: Messages waiting for the handlers before the I/O thread stops reading from agents.
+DISPATCH_HIGH_WATER = 20_000
+DISPATCH_LOW_WATER = 5_000
+#: Bytes read from one connection per turn (fairness between agents).
+READ_CHUNK = 256 << 10
+_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_LISTENER = object()  # the selector's tag for the listening socket (None tags the wake-up)
 
 
-def _mac(secret: str, nonce: str) -> str:
-    return hmac.new(bytes.fromhex(secret), bytes.fromhex(nonce), hashlib.sha256).hexdigest()
+class Peer:
+    """The driver's end of one authenticated agent connection.
 
+    Attributes:
+        node: the node (barrier task) the agent said it runs, once it said so.
+        address: the agent's (host, port).
+    """
 
-class _Framed:
-    """One socket with length-prefixed JSON frames; sends are serialised by a lock."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._send_lock = threading.Lock()
-        self.closed = False
-
-    def send(self, message: Message) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode()
-        if len(data) > MAX_FRAME_BYTES:
-            raise ValueError(f"frame of {len(data)} bytes exceeds {MAX_FRAME_BYTES}")
-        with self._send_lock:
-            if self.closed:
-                raise ChannelClosed("channel is closed")
-            try:
-                self.sock.sendall(_HEADER.pack(len(data)) + data)
-            except OSError as exc:
-                self.close()
-                raise ChannelClosed(str(exc)) from exc
-
-    def recv(self, max_bytes: int) -> Message:
-        (size,) = _HEADER.unpack(self._recv_exact(_HEADER.size))
-        if size > max_bytes:
-            raise ChannelClosed(f"frame of {size} bytes exceeds the cap of {max_bytes}")
-        try:
-            message = json.loads(self._recv_exact(size))
-        except ValueError as exc:
-            raise ChannelClosed("frame is not JSON") from exc
-        if not isinstance(message, dict) or not isinstance(message.get("t"), str):
-            raise ChannelClosed("frame is not a message object")
-        return message
-
-    def _recv_exact(self, size: int) -> bytes:
-        chunks = []
-        while size:
-            try:
-                chunk = self.sock.recv(min(size, 1 << 16))
-            except OSError as exc:
-                raise ChannelClosed(str(exc)) from exc
-            if not chunk:
-                raise ChannelClosed("peer closed the connection")
-            chunks.append(chunk)
-            size -= len(chunk)
-        return b"".join(chunks)
-
-    def close(self) -> None:
-        self.closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
-
-
-class Peer(_Framed):
-    """The driver's end of one authenticated agent connection."""
-
-    #: The node (barrier task) the agent said it runs, once it said so.
     node: int | None = None
+
+    def __init__(self, server: ChannelServer, sock: socket.socket, sealer: frames.Sealer) -> None:
+        self._server = server
+        self.sock = sock
+        self.address: Any = _peer_name(sock)
+        self._sealer = sealer
+        self._lock = threading.Lock()
+        self._out = bytearray()
+        self.closed = False
+        self.broken: str | None = None  # why a sender gave up on it; the I/O thread drops it
+        self.paused = False
+        self.events = 0
+        self.inbox = bytearray()
+
+    def send(self, message: protocol.Message | Mapping[str, Any]) -> None:
+        """Queue ``message`` for this agent; never blocks.
+
+        Raises:
+            ChannelClosed: the connection is gone, or the agent stopped reading.
+            ProtocolError: ``message`` is not one the driver may send.
+        """
+        self.send_encoded(coerce(message, Route.TO_AGENT))
+
+    def send_encoded(self, encoded: bytes) -> None:
+        with self._lock:
+            if self.closed or self.broken:
+                raise ChannelClosed(f"the connection to node {self.node} is closed")
+            frame = self._sealer.seal(protocol.encode_batch([encoded]))
+            if len(self._out) + len(frame) > MAX_PEER_BACKLOG_BYTES:
+                self.broken = (
+                    f"node {self.node} read nothing of the last {len(self._out)} bytes sent to it"
+                )
+                self._server._want(self)
+                raise ChannelClosed(self.broken)
+            if not self._out:  # send now when nothing waits: no trip through the I/O thread
+                try:
+                    sent = self.sock.send(frame)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError as exc:
+                    self.broken = f"sending to node {self.node} failed: {exc}"
+                    self._server._want(self)
+                    raise ChannelClosed(self.broken) from exc
+                frame = frame[sent:]
+            if frame:
+                self._out += frame
+                self._server._want(self)
+
+    def flush(self) -> bool:
+        """Send what the socket takes (I/O thread); True while bytes remain."""
+        with self._lock:
+            if self._out and not self.closed:
+                try:
+                    sent = self.sock.send(self._out)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                del self._out[:sent]
+            return bool(self._out)
+
+    def mark_closed(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._out.clear()
+
+    def open_frame(self, body: bytes) -> bytes:
+        return self._sealer.open(body)
+
+    def __repr__(self) -> str:
+        return f"Peer(node={self.node}, address={self.address})"
+
+
+class _Pending:
+    """A connection in the handshake."""
+
+    __slots__ = ("sock", "accepted", "buffer", "nonce_c", "nonce_s")
+
+    def __init__(self, sock: socket.socket, accepted: float) -> None:
+        self.sock = sock
+        self.accepted = accepted
+        self.buffer = bytearray()
+        self.nonce_c: str | None = None
+        self.nonce_s = ""
 
 
 class ChannelServer:
@@ -124,179 +177,512 @@ class ChannelServer:
 
     Args:
         host: the one address to bind (the driver's; loopback in local mode).
-        secret: the run's secret.
-        on_message: called from a connection's reader thread with (peer, message).
-        on_disconnect: called when an authenticated peer goes away.
+        secret: the run's secret (``new_secret``).
+        on_message: called on the dispatch thread with (peer, message), in each agent's order.
+        on_disconnect: called on the dispatch thread when an authenticated agent goes away
+            (after its last message), not for the connections ``close`` ends.
+        typed: hand ``on_message`` the typed record (``protocol.Message``); False hands the
+            checked wire dict instead, for handlers not yet moved to typed records.
+
+    Example:
+        >>> server = ChannelServer("127.0.0.1", new_secret(), lambda peer, m: print(m))
+        >>> server.broadcast(protocol.Abort("stop"))
+        >>> server.close()
     """
 
     def __init__(
         self,
         host: str,
         secret: str,
-        on_message: Callable[[Peer, Message], None],
+        on_message: Callable[[Peer, Any], None],
         on_disconnect: Callable[[Peer], None] = lambda peer: None,
+        *,
+        typed: bool = False,
     ) -> None:
+        self._key = frames.secret_key(secret)
         self._secret = secret
         self._on_message = on_message
         self._on_disconnect = on_disconnect
+        self._typed = typed
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.bind((host, 0))
-        self._listener.listen(64)
+        try:
+            self._listener.bind((host, 0))
+            self._listener.listen(1024)
+            self._listener.setblocking(False)
+            self._wake_r, self._wake_w = socket.socketpair()
+        except BaseException:
+            self._listener.close()
+            raise
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
         self.host = host
         self.port: int = self._listener.getsockname()[1]
-        self._peers: list[Peer] = []
+        #: Counters of what the I/O thread saw (for logs, tests and benchmarks).
+        self.stats: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._peers: list[Peer] = []
+        self._wanted: set[Peer] = set()  # peers with bytes to send, or broken: I/O thread's turn
+        self._wake_sent = False
+        self._resume_reads = False
         self._closing = False
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="sparkdist-channel-accept", daemon=True
+        self._warned: set[str] = set()
+        self._dispatch: collections.deque[tuple[Peer, list[protocol.Message] | None]] = (
+            collections.deque()
         )
-        self._accept_thread.start()
+        self._queued = 0  # messages in _dispatch
+        self._dispatch_cond = threading.Condition()
+        self._io = threading.Thread(target=self._io_loop, name="sparkdist-channel-io", daemon=True)
+        self._dispatcher = threading.Thread(
+            target=self._dispatch_loop, name="sparkdist-channel-dispatch", daemon=True
+        )
+        self._io.start()
+        self._dispatcher.start()
 
-    def broadcast(self, message: Message) -> None:
-        """Send to every connected agent; a peer that went away is skipped."""
+    # -- public ----------------------------------------------------------------------------
+
+    @property
+    def peers(self) -> list[Peer]:
         with self._lock:
-            peers = list(self._peers)
-        for peer in peers:
+            return list(self._peers)
+
+    def broadcast(self, message: protocol.Message | Mapping[str, Any]) -> None:
+        """Send to every connected agent; never blocks; a peer that went away is skipped."""
+        encoded = coerce(message, Route.TO_AGENT)
+        for peer in self.peers:
             try:
-                peer.send(message)
-            except (ChannelClosed, OSError):
+                peer.send_encoded(encoded)
+            except ChannelClosed:
                 continue
 
     def close(self) -> None:
-        """Stop accepting, drop every connection and wait for the reader threads."""
-        self._closing = True
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        with self._lock:
-            peers, self._peers = self._peers, []
-            threads = list(self._threads)
-        for peer in peers:
-            peer.close()
-        self._accept_thread.join(timeout=5)
-        for thread in threads:
+        """Stop accepting and drop every connection; returns within ``CLOSE_TIMEOUT_S``.
+
+        Messages not yet handed to ``on_message`` are dropped; ``on_disconnect`` is not called
+        for the connections closed here.
+        """
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        with self._dispatch_cond:
+            self._closing = True
+            self._dispatch.clear()
+            self._dispatch_cond.notify_all()
+        self._wake()
+        for thread in (self._io, self._dispatcher):
             if thread is not threading.current_thread():
-                thread.join(timeout=5)
+                thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _accept_loop(self) -> None:
-        while not self._closing:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
+    # -- called by senders -------------------------------------------------------------------
+
+    def _want(self, peer: Peer) -> None:
+        with self._lock:
+            self._wanted.add(peer)
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_sent:
                 return
-            thread = threading.Thread(
-                target=self._serve, args=(sock,), name="sparkdist-channel-peer", daemon=True
-            )
-            with self._lock:
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, sock: socket.socket) -> None:
-        peer = Peer(sock)
+            self._wake_sent = True
         try:
-            if not self._authenticate(peer):
-                peer.close()
-                return
-            with self._lock:
-                if self._closing:
-                    peer.close()
-                    return
-                self._peers.append(peer)
-            while True:
-                self._on_message(peer, peer.recv(MAX_FRAME_BYTES))
-        except ChannelClosed:
-            pass
-        except Exception:  # a handler bug must not kill the driver silently
-            logger.exception("sparkdist: control channel handler failed")
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass  # already closed, or a wake is in the pipe anyway
+
+    # -- the I/O thread ----------------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._pending: collections.OrderedDict[socket.socket, _Pending] = collections.OrderedDict()
+        self._listening = False
+        self._accept_again_at = 0.0
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._listen(True)
+        try:
+            while not self._closing:
+                for key, mask in self._selector.select(self._next_timeout()):
+                    try:
+                        self._on_event(key.fileobj, key.data, mask)  # type: ignore[arg-type]
+                    except Exception:  # one connection's trouble never ends the loop
+                        logger.exception("sparkdist: control channel I/O failed")
+                        if isinstance(key.data, Peer):
+                            self._drop_peer(key.data, "an internal error")
+                self._on_timers()
+        except Exception:
+            logger.exception("sparkdist: the control channel's I/O thread failed")
         finally:
-            with self._lock:
-                was_peer = peer in self._peers
-                if was_peer:
-                    self._peers.remove(peer)
-            peer.close()
-            if was_peer:
-                self._on_disconnect(peer)
+            self._shut_down()
 
-    def _authenticate(self, peer: Peer) -> bool:
-        nonce = os.urandom(16).hex()
-        peer.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    def _on_event(self, fileobj: socket.socket, data: Any, mask: int) -> None:
+        if data is None:
+            self._on_wake()
+        elif data is _LISTENER:
+            self._accept_some()
+        elif isinstance(data, _Pending):
+            self._on_handshake_readable(data)
+        elif isinstance(data, Peer):
+            if mask & selectors.EVENT_WRITE:
+                self._flush(data)
+            if mask & selectors.EVENT_READ and not data.closed:
+                self._on_peer_readable(data)
+
+    def _next_timeout(self) -> float:
+        now = time.monotonic()
+        times = [now + 1.0]
+        if self._pending:
+            times.append(next(iter(self._pending.values())).accepted + HANDSHAKE_DEADLINE_S)
+        if not self._listening:
+            times.append(self._accept_again_at)
+        return max(0.0, min(times) - now)
+
+    def _on_timers(self) -> None:
+        now = time.monotonic()
+        while self._pending:
+            oldest = next(iter(self._pending.values()))
+            if now - oldest.accepted < HANDSHAKE_DEADLINE_S:
+                break
+            self.stats["handshake_timeouts"] += 1
+            self._note_stranger("did not finish the handshake in time")
+            self._drop_pending(oldest)
+        if not self._listening and now >= self._accept_again_at:
+            self._listen(True)
+
+    def _on_wake(self) -> None:
         try:
-            peer.send({"t": "challenge", "nonce": nonce})
-            answer = peer.recv(MAX_HANDSHAKE_BYTES)
-            mac, client_nonce = answer.get("mac"), answer.get("nonce")
-            if (
-                answer["t"] != "auth"
-                or not isinstance(mac, str)
-                or not isinstance(client_nonce, str)
-                or not hmac.compare_digest(mac, _mac(self._secret, nonce))
-            ):
-                logger.warning("sparkdist: refused a control connection without the run secret")
-                return False
-            peer.send({"t": "welcome", "mac": _mac(self._secret, client_nonce)})
-        except (ChannelClosed, OSError, ValueError):
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+        with self._lock:
+            self._wake_sent = False
+            wanted, self._wanted = self._wanted, set()
+            resume, self._resume_reads = self._resume_reads, False
+        for peer in wanted:
+            if peer.broken:
+                self._drop_peer(peer, peer.broken)
+            elif not peer.closed:
+                self._flush(peer)
+        if resume:
+            for peer in self.peers:
+                if peer.paused:
+                    peer.paused = False
+                    self._set_interest(peer)
+
+    # -- accepting ---------------------------------------------------------------------------
+
+    def _listen(self, on: bool) -> None:
+        if on and not self._listening:
+            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
+        elif not on and self._listening:
+            self._selector.unregister(self._listener)
+        self._listening = on
+
+    def _pause_accept(self, seconds: float) -> None:
+        self._listen(False)
+        self._accept_again_at = time.monotonic() + seconds
+
+    def _make_room(self) -> bool:
+        """Evict the oldest connection in the handshake if it had its minimum time; else pause
+        the accept until it has. True when there is room now."""
+        if not self._pending:
+            self._pause_accept(ACCEPT_BACKOFF_S)
             return False
-        _block_reads_bound_sends(peer.sock)
+        oldest = next(iter(self._pending.values()))
+        age = time.monotonic() - oldest.accepted
+        if age < MIN_PENDING_AGE_S:
+            self._pause_accept(MIN_PENDING_AGE_S - age)
+            return False
+        self.stats["evicted"] += 1
+        self._drop_pending(oldest)
         return True
 
+    def _accept_some(self) -> None:
+        for _ in range(ACCEPT_BATCH):
+            if len(self._pending) >= MAX_PENDING and not self._make_room():
+                return
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in _OUT_OF_FDS:
+                    # Out of descriptors: free one (the oldest stranger) or wait; never die.
+                    self.stats["accept_backoffs"] += 1
+                    self._warn_once(
+                        "fds",
+                        "sparkdist: the control channel ran out of file descriptors (%s); it "
+                        "drops the oldest unauthenticated connections and backs off. Raise the "
+                        "limit (ulimit -n) if this is not an attack",
+                        exc,
+                    )
+                    if not self._make_room():
+                        return
+                    continue
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                    continue  # the client gave up before we got to it
+                logger.warning("sparkdist: control channel accept failed: %s", exc)
+                self._pause_accept(ACCEPT_BACKOFF_S)
+                return
+            self.stats["accepted"] += 1
+            try:
+                sock.setblocking(False)
+                pending = _Pending(sock, time.monotonic())
+                self._selector.register(sock, selectors.EVENT_READ, pending)
+            except (OSError, ValueError):
+                sock.close()
+                continue
+            self._pending[sock] = pending
+            self.stats["peak_pending"] = max(self.stats["peak_pending"], len(self._pending))
 
-class ChannelClient(_Framed):
-    """An agent's connection to the driver.
+    # -- the handshake -----------------------------------------------------------------------
 
-    Args:
-        address: (host, port) of the driver's channel.
-        secret: the run's secret.
-        on_message: called from the reader thread for every message from the driver.
-        on_close: called once when the connection ends.
-        timeout_s: connect and handshake deadline.
-    """
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        secret: str,
-        on_message: Callable[[Message], None],
-        on_close: Callable[[], None] = lambda: None,
-        timeout_s: float = HANDSHAKE_TIMEOUT_S,
-    ) -> None:
-        sock = socket.create_connection(address, timeout=timeout_s)
-        super().__init__(sock)
+    def _on_handshake_readable(self, pending: _Pending) -> None:
         try:
-            challenge = self.recv(MAX_HANDSHAKE_BYTES)
-            nonce = os.urandom(16).hex()
-            self.send(
-                {"t": "auth", "mac": _mac(secret, str(challenge.get("nonce"))), "nonce": nonce}
-            )
-            welcome = self.recv(MAX_HANDSHAKE_BYTES)
-            if welcome.get("t") != "welcome" or not hmac.compare_digest(
-                str(welcome.get("mac")), _mac(secret, nonce)
-            ):
-                raise ChannelClosed("the driver did not prove it knows the run secret")
-        except (ChannelClosed, ValueError, OSError):
-            self.close()
-            raise
-        _block_reads_bound_sends(sock)
-        self._on_message = on_message
-        self._on_close = on_close
-        self._reader = threading.Thread(
-            target=self._read_loop, name="sparkdist-channel-client", daemon=True
-        )
-        self._reader.start()
-
-    def _read_loop(self) -> None:
+            data = pending.sock.recv(frames.HEADER.size + MAX_HANDSHAKE_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop_pending(pending)
+            return
+        if not data:
+            self._drop_pending(pending)
+            return
+        pending.buffer += data
         try:
             while True:
-                self._on_message(self.recv(MAX_FRAME_BYTES))
-        except ChannelClosed:
-            pass
-        finally:
-            self._on_close()
+                body = frames.split_frame(pending.buffer, MAX_HANDSHAKE_BYTES)
+                if body is None:
+                    return
+                if self._handshake_step(pending, protocol.decode(body, Route.HANDSHAKE)):
+                    return
+        except (ProtocolError, frames.FrameError) as exc:
+            self.stats["malformed"] += 1
+            self._note_stranger(f"sent a malformed handshake ({exc})")
+            self._drop_pending(pending)
 
-    def join(self, timeout_s: float) -> None:
-        """Wait for the reader thread to finish (after close)."""
-        if self._reader is not threading.current_thread():
-            self._reader.join(timeout=timeout_s)
+    def _handshake_step(self, pending: _Pending, message: protocol.Message) -> bool:
+        """Advance ``pending``; True when it left the handshake (promoted or dropped)."""
+        if pending.nonce_c is None and isinstance(message, protocol.ClientHello):
+            if message.version != protocol.PROTOCOL_VERSION:
+                self._warn_once(
+                    "version",
+                    "sparkdist: an agent speaking control protocol %s connected (the driver "
+                    "speaks %s): the driver and the executors run different sparkdist versions; "
+                    "install the same version on both",
+                    message.version,
+                    protocol.PROTOCOL_VERSION,
+                )
+                self._drop_pending(pending)
+                return True
+            pending.nonce_c, pending.nonce_s = message.nonce, frames.new_nonce()
+            mac = frames.proof(self._key, b"server", message.nonce, pending.nonce_s)
+            reply = frames.plain_frame(protocol.encode(protocol.ServerProof(pending.nonce_s, mac)))
+            if not self._send_small(pending.sock, reply):
+                self._drop_pending(pending)
+                return True
+            return False
+        if pending.nonce_c is not None and isinstance(message, protocol.ClientProof):
+            expected = frames.proof(self._key, b"client", pending.nonce_s, pending.nonce_c)
+            if not frames.proof_matches(expected, message.mac) or pending.buffer:
+                self.stats["refused"] += 1
+                self._note_stranger("did not prove it knows the run's secret")
+                self._drop_pending(pending)
+                return True
+            self._promote(pending)
+            return True
+        raise ProtocolError(f"a {message.kind!r} message out of turn")
+
+    def _send_small(self, sock: socket.socket, data: bytes) -> bool:
+        # A fresh connection's send buffer takes a handshake frame whole; one that does not
+        # is not worth waiting for.
+        try:
+            return sock.send(data) == len(data)
+        except OSError:
+            return False
+
+    def _promote(self, pending: _Pending) -> None:
+        assert pending.nonce_c is not None
+        del self._pending[pending.sock]
+        key = frames.session_key(self._key, pending.nonce_c, pending.nonce_s)
+        peer = Peer(self, pending.sock, frames.Sealer(key, frames.TO_AGENT))
+        peer.events = selectors.EVENT_READ
+        self._selector.modify(pending.sock, selectors.EVENT_READ, peer)
+        try:
+            pending.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        with self._lock:
+            closing = self._closing
+            if not closing:
+                self._peers.append(peer)
+        if closing:
+            self._drop_peer(peer, None)
+            return
+        self.stats["authenticated"] += 1
+        try:
+            peer.send(protocol.Welcome())
+        except ChannelClosed:
+            self._drop_peer(peer, "it went away during the handshake")
+
+    def _drop_pending(self, pending: _Pending) -> None:
+        self._pending.pop(pending.sock, None)
+        _close_quietly(self._selector, pending.sock)
+
+    def _note_stranger(self, what: str) -> None:
+        self._warn_once(
+            "stranger",
+            "sparkdist: refused a control connection that %s; later ones are counted in "
+            "ChannelServer.stats, not logged",
+            what,
+        )
+
+    # -- authenticated peers -----------------------------------------------------------------
+
+    def _on_peer_readable(self, peer: Peer) -> None:
+        try:
+            data = peer.sock.recv(READ_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop_peer(peer, f"its connection failed ({exc})")
+            return
+        if not data:
+            self._drop_peer(peer, None)
+            return
+        peer.inbox += data
+        batches: list[protocol.Message] = []
+        try:
+            while True:
+                body = frames.split_frame(peer.inbox, frames.MAX_SEALED_BYTES)
+                if body is None:
+                    break
+                batches.extend(protocol.decode_batch(peer.open_frame(body), Route.TO_DRIVER))
+        except (ProtocolError, frames.FrameError) as exc:
+            self.stats["bad_frames"] += 1
+            self._enqueue(peer, batches)  # what came before the bad frame was genuine
+            self._drop_peer(peer, f"it sent a frame the channel refuses: {exc}")
+            return
+        if batches and self._enqueue(peer, batches):
+            peer.paused = True  # the handlers are behind: leave the rest in TCP for now
+            self._set_interest(peer)
+
+    def _enqueue(self, peer: Peer, messages: list[protocol.Message] | None) -> bool:
+        """Queue for the handlers; True when they are behind (stop reading)."""
+        with self._dispatch_cond:
+            if self._closing:
+                return False
+            self._dispatch.append((peer, messages))
+            self._queued += len(messages) if messages else 0
+            self._dispatch_cond.notify()
+            return self._queued >= DISPATCH_HIGH_WATER
+
+    def _flush(self, peer: Peer) -> None:
+        try:
+            self._set_interest(peer, peer.flush())
+        except OSError as exc:
+            self._drop_peer(peer, f"sending to it failed ({exc})")
+
+    def _set_interest(self, peer: Peer, writing: bool | None = None) -> None:
+        if peer.closed:
+            return
+        if writing is None:
+            writing = bool(peer.events & selectors.EVENT_WRITE)
+        events = (0 if peer.paused else selectors.EVENT_READ) | (
+            selectors.EVENT_WRITE if writing else 0
+        )
+        if events == peer.events:
+            return
+        if peer.events and events:
+            self._selector.modify(peer.sock, events, peer)
+        elif events:
+            self._selector.register(peer.sock, events, peer)
+        else:
+            self._selector.unregister(peer.sock)
+        peer.events = events
+
+    def _drop_peer(self, peer: Peer, why: str | None) -> None:
+        if peer.closed:
+            return
+        peer.mark_closed()
+        with self._lock:
+            known = peer in self._peers
+            if known:
+                self._peers.remove(peer)
+        if peer.events:
+            try:
+                self._selector.unregister(peer.sock)
+            except (KeyError, ValueError):
+                pass
+        _close_quietly(None, peer.sock)
+        if why is not None:
+            logger.warning("sparkdist: dropped node %s's control connection: %s", peer.node, why)
+        if known:
+            self._enqueue(peer, None)  # on_disconnect, after its last messages
+
+    def _shut_down(self) -> None:
+        with self._lock:
+            peers, self._peers = self._peers, []
+        for peer in peers:
+            peer.mark_closed()
+            _close_quietly(None, peer.sock)
+        for pending in list(self._pending.values()):
+            _close_quietly(None, pending.sock)
+        self._pending.clear()
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            _close_quietly(None, sock)
+        self._selector.close()
+
+    # -- the dispatch thread -----------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._dispatch_cond:
+                while not self._dispatch and not self._closing:
+                    self._dispatch_cond.wait()
+                if self._closing:
+                    return
+                peer, messages = self._dispatch.popleft()
+                behind = self._queued >= DISPATCH_LOW_WATER
+                self._queued -= len(messages) if messages else 0
+                resume = behind and self._queued < DISPATCH_LOW_WATER
+            if resume:
+                with self._lock:
+                    self._resume_reads = True
+                self._wake()
+            try:
+                if messages is None:
+                    self._on_disconnect(peer)
+                    continue
+                for message in messages:
+                    if self._closing:
+                        return
+                    self._on_message(peer, message if self._typed else protocol.wire_dict(message))
+            except ChannelClosed:
+                pass  # the handler answered a peer that is gone
+            except Exception:  # a handler bug must not end the channel silently
+                logger.exception("sparkdist: control channel handler failed")
+
+    def _warn_once(self, key: str, text: str, *args: Any) -> None:
+        if key in self._warned:
+            logger.debug(text, *args)
+        else:
+            self._warned.add(key)
+            logger.warning(text, *args)
+
+
+def _close_quietly(selector: selectors.BaseSelector | None, sock: socket.socket) -> None:
+    if selector is not None:
+        try:
+            selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def _peer_name(sock: socket.socket) -> Any:
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None

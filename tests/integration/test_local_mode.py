@@ -277,9 +277,9 @@ def test_works_with_no_spark_session(no_spark):
 
 def test_a_long_silence_loses_no_output(monkeypatch, capfd):
     """The channel's send timeout must never apply to reads: a quiet node is not a lost one."""
-    import sparkdist._wire.channel as channel
+    import sparkdist._wire.client as client
 
-    monkeypatch.setattr(channel, "SEND_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(client, "SEND_TIMEOUT_S", 1.0)
 
     def quiet():
         import time

@@ -1,15 +1,24 @@
-"""The control channel refuses strangers, caps frames and carries only JSON."""
+"""The control channel: mutual authentication, tagged frames, bounded queues, two threads.
+
+Raw-socket attacks (floods, relays, slow drips) are in tests/integration/test_channel_attacks.py.
+"""
 
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
+from sparkdist._node.outbox import Outbox
+from sparkdist._wire import client as client_module
+from sparkdist._wire import frames, protocol
 from sparkdist._wire.channel import (
+    CLOSE_TIMEOUT_S,
     MAX_HANDSHAKE_BYTES,
     ChannelClient,
     ChannelClosed,
@@ -17,20 +26,46 @@ from sparkdist._wire.channel import (
     new_secret,
 )
 
+WAIT_S = 10.0
+
+
+class Inbox:
+    """What a server received, with waits on events instead of sleeps."""
+
+    def __init__(self) -> None:
+        self.messages: list = []
+        self.disconnected: list = []
+        self.cond = threading.Condition()
+
+    def on_message(self, peer, message) -> None:
+        with self.cond:
+            if isinstance(message, protocol.Hello):
+                peer.node = message.node
+            self.messages.append(message)
+            self.cond.notify_all()
+
+    def on_disconnect(self, peer) -> None:
+        with self.cond:
+            self.disconnected.append(peer.node)
+            self.cond.notify_all()
+
+    def wait_for(self, predicate, timeout: float = WAIT_S) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: predicate(self), timeout)
+
 
 @pytest.fixture
-def server():
-    received = []
-    arrived = threading.Event()
+def served():
+    inbox = Inbox()
+    secret = new_secret()
+    server = ChannelServer("127.0.0.1", secret, inbox.on_message, inbox.on_disconnect, typed=True)
+    yield server, secret, inbox
+    server.close()
 
-    def on_message(peer, message):
-        received.append(message)
-        arrived.set()
 
-    srv = ChannelServer("127.0.0.1", new_secret(), on_message)
-    srv.received, srv.arrived = received, arrived
-    yield srv
-    srv.close()
+def _client(server, secret, **kwargs) -> ChannelClient:
+    kwargs.setdefault("on_message", lambda m: None)
+    return ChannelClient(("127.0.0.1", server.port), secret, typed=True, **kwargs)
 
 
 def _frame(obj) -> bytes:
@@ -38,54 +73,233 @@ def _frame(obj) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-def _read_frame(sock) -> dict:
-    size = struct.unpack(">I", sock.recv(4))[0]
-    return json.loads(sock.recv(size))
+def test_typed_round_trip_both_ways(served):
+    server, secret, inbox = served
+    got, arrived = [], threading.Event()
+    client = _client(server, secret, on_message=lambda m: (got.append(m), arrived.set()))
+    client.send(protocol.Hello(node=0, host="h"))
+    assert inbox.wait_for(lambda i: i.messages == [protocol.Hello(0, "h")])
+    server.broadcast(protocol.Abort("x"))
+    assert arrived.wait(WAIT_S) and got == [protocol.Abort("x")]
+    client.close()
+    assert inbox.wait_for(lambda i: i.disconnected == [0])
 
 
-def test_authenticated_client_round_trip(server):
-    got = []
-    event = threading.Event()
-    client = ChannelClient(("127.0.0.1", server.port), server._secret,
-                           on_message=lambda m: (got.append(m), event.set()))
-    client.send({"t": "hello", "node": 0})
-    assert server.arrived.wait(5)
-    assert server.received == [{"t": "hello", "node": 0}]
-    server.broadcast({"t": "abort", "reason": "x"})
-    assert event.wait(5) and got == [{"t": "abort", "reason": "x"}]
+def test_handlers_not_yet_typed_get_checked_wire_dicts():
+    got, arrived = [], threading.Event()
+    secret = new_secret()
+    server = ChannelServer("127.0.0.1", secret, lambda p, m: (got.append(m), arrived.set()))
+    try:
+        client = ChannelClient(("127.0.0.1", server.port), secret, on_message=lambda m: None)
+        client.send({"t": "rows", "counts": {"0": 5}})
+        assert arrived.wait(WAIT_S) and got == [{"t": "rows", "counts": {"0": 5}}]
+        with pytest.raises(protocol.ProtocolError, match="LD_PRELOAD"):
+            server.broadcast({"t": "rendezvous", "master_port": 1, "env": {"LD_PRELOAD": "x"}})
+        with pytest.raises(protocol.ProtocolError, match="may not travel"):
+            client.send({"t": "abort", "reason": "an agent may not order this"})
+        client.close()
+    finally:
+        server.close()
+
+
+def test_messages_keep_their_order_and_control_goes_first(served):
+    server, secret, inbox = served
+    client = _client(server, secret)
+    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(2000)]
+    for line in lines:
+        assert client.post(line)
+    assert client.flush(WAIT_S)
+    client.send(protocol.Bye(node=0))
+    assert inbox.wait_for(lambda i: len(i.messages) == 2001)
+    assert inbox.messages == [*lines, protocol.Bye(0)]
+    assert client.dropped == 0
     client.close()
 
 
-def test_wrong_secret_is_refused_by_both_sides(server):
-    with pytest.raises(ChannelClosed):
-        ChannelClient(("127.0.0.1", server.port), new_secret(), on_message=lambda m: None)
-    assert server.received == []
+def test_wrong_secret_is_refused_by_both_sides(served):
+    server, _, inbox = served
+    with pytest.raises(ChannelClosed, match="did not prove it knows the run's secret"):
+        _client(server, new_secret())
+    assert inbox.messages == [] and server.peers == []
 
 
-def test_raw_socket_without_the_secret_gets_nothing_through(server):
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-        challenge = _read_frame(sock)
-        assert challenge["t"] == "challenge"
-        sock.sendall(_frame({"t": "auth", "mac": "00" * 32, "nonce": "00" * 16}))
-        sock.sendall(_frame({"t": "failed", "rank": 0, "exit_code": 1}))
+def test_raw_socket_without_the_secret_gets_nothing_through(served):
+    server, _, inbox = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+        hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, frames.new_nonce())
+        sock.sendall(frames.plain_frame(protocol.encode(hello)))
+        sock.recv(4096)  # the driver's proof
+        sock.sendall(_frame({"t": "c_proof", "mac": "0" * 64}))
+        sock.sendall(_frame({"t": "failed", "rank": 0, "exit_code": 1, "time": 0}))
         assert sock.recv(1) == b""  # closed on us
-    assert server.received == []
+    assert inbox.messages == []
+    assert server.stats["refused"] == 1
 
 
-def test_oversized_handshake_frame_is_dropped(server):
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-        _read_frame(sock)
+def test_oversized_handshake_frame_is_dropped(served):
+    server, _, inbox = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
         sock.sendall(struct.pack(">I", MAX_HANDSHAKE_BYTES + 1) + b"x" * 16)
         assert sock.recv(1) == b""
-    assert server.received == []
+    assert inbox.messages == [] and server.stats["malformed"] == 1
 
 
-def test_pickle_bytes_are_never_accepted(server):
-    import pickle
-
-    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
-        _read_frame(sock)
-        payload = pickle.dumps({"t": "auth"})
+def test_pickle_bytes_are_never_accepted(served):
+    server, _, inbox = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+        payload = pickle.dumps({"t": "c_hello"})
         sock.sendall(struct.pack(">I", len(payload)) + payload)
         assert sock.recv(1) == b""
-    assert server.received == []
+    assert inbox.messages == []
+
+
+def test_the_server_never_speaks_first(served):
+    """No challenge to answer: a stranger gets nothing until it sends a well-formed hello."""
+    server, _, _ = served
+    with socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) as sock:
+        sock.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)
+
+
+def test_the_client_answers_no_challenge():
+    """A fake driver that challenges first (the old protocol's MAC oracle) gets only a nonce:
+    the agent proves nothing to a side that has not proved itself."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def fake_driver() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(_frame({"t": "s_proof", "nonce": "ab" * 32, "mac": "cd" * 32}))
+            conn.settimeout(WAIT_S)
+            while data := conn.recv(4096):
+                received.append(data)
+
+    thread = threading.Thread(target=fake_driver, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(ChannelClosed, match="did not prove"):
+            ChannelClient(listener.getsockname(), new_secret(), on_message=lambda m: None)
+        thread.join(WAIT_S)
+    finally:
+        listener.close()
+    sent = b"".join(received)
+    assert b"c_hello" in sent and b"c_proof" not in sent
+
+
+def test_close_flushes_control_messages(served):
+    """A node that refuses sends one message and hangs up at once: it must still arrive."""
+    server, secret, inbox = served
+    client = _client(server, secret)
+    client.send(protocol.Refused(node=0, host="h", reason="wrong GPU"))
+    client.close()
+    assert inbox.wait_for(lambda i: len(i.messages) == 1)
+    assert inbox.messages[0].reason == "wrong GPU"
+
+
+def test_close_is_fast_with_clients_connected(served):
+    server, secret, _ = served
+    clients = [_client(server, secret) for _ in range(20)]
+    for client in clients:
+        client.post(protocol.Log(0, protocol.Stream.STDOUT, "x"))
+    started = time.monotonic()
+    server.close()
+    assert time.monotonic() - started < CLOSE_TIMEOUT_S + 0.1
+    for client in clients:
+        client.join(WAIT_S)
+        assert client.closed
+
+
+def test_two_threads_whatever_the_number_of_agents():
+    before = {t.name for t in threading.enumerate()}
+    inbox = Inbox()
+    secret = new_secret()
+    server = ChannelServer("127.0.0.1", secret, inbox.on_message, typed=True)
+    try:
+        clients = [_client(server, secret) for _ in range(30)]
+        for i, client in enumerate(clients):
+            client.send(protocol.Hello(i, "h"))
+        assert inbox.wait_for(lambda i: len(i.messages) == 30)
+        ours = [t.name for t in threading.enumerate() if t.name.startswith("sparkdist-channel-")]
+        assert sorted(n for n in ours if n not in before and "client" not in n) == [
+            "sparkdist-channel-dispatch",
+            "sparkdist-channel-io",
+        ]
+        for client in clients:
+            client.close()
+    finally:
+        server.close()
+
+
+def test_a_full_queue_drops_lines_and_counts_them(served, monkeypatch):
+    server, secret, inbox = served
+    monkeypatch.setattr(client_module, "POST_QUEUE", 5)
+    release = threading.Event()
+    blocked = Inbox()
+
+    def slow(peer, message):  # the driver's handlers stall: TCP and the queue fill up
+        release.wait(WAIT_S)
+        blocked.on_message(peer, message)
+
+    secret2 = new_secret()
+    slow_server = ChannelServer("127.0.0.1", secret2, slow, typed=True)
+    try:
+        client = _client(slow_server, secret2)
+        big = "z" * 60_000
+        accepted = sum(
+            client.post(protocol.Log(0, protocol.Stream.STDOUT, big)) for _ in range(2000)
+        )
+        assert accepted < 2000 and client.dropped == 2000 - accepted
+        client.send(protocol.Bye(0, dropped=client.dropped))  # control is never dropped
+        release.set()
+        assert blocked.wait_for(lambda i: any(isinstance(m, protocol.Bye) for m in i.messages))
+        client.close()
+    finally:
+        release.set()
+        slow_server.close()
+
+
+def test_outbox_drops_an_oversized_report_and_stays_connected(served, caplog):
+    server, secret, inbox = served
+    client = _client(server, secret)
+    outbox = Outbox(client)
+    metrics = {f"m{i}": 1.0 for i in range(protocol.MAX_METRICS + 1)}
+    outbox.line({"t": "report", "rank": 0, "step": 1, "total": None, "metrics": metrics})
+    outbox.line({"t": "log", "rank": 0, "stream": "stdout", "line": "w" * 70_000})
+    outbox.close(WAIT_S, final={"t": "bye", "node": 0})
+    assert inbox.wait_for(lambda i: any(isinstance(m, protocol.Bye) for m in i.messages))
+    logs = [m for m in inbox.messages if isinstance(m, protocol.Log)]
+    assert [len(m.line) for m in logs] == [protocol.MAX_LOG_CHARS, 70_000 - protocol.MAX_LOG_CHARS]
+    assert inbox.messages[-1] == protocol.Bye(0, dropped=1)
+    assert "entries, over the limit of 1000" in caplog.text
+    client.close()
+
+
+def test_an_agent_that_stops_reading_is_dropped_not_waited_for(served, monkeypatch):
+    import sparkdist._wire.channel as channel
+
+    server, secret, inbox = served
+    monkeypatch.setattr(channel, "MAX_PEER_BACKLOG_BYTES", 1 << 20)
+    raw = socket.create_connection(("127.0.0.1", server.port))
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    key = frames.secret_key(secret)
+    nonce_c = frames.new_nonce()
+    raw.sendall(frames.plain_frame(protocol.encode(protocol.ClientHello(2, nonce_c))))
+    buffer = bytearray()
+    while (body := frames.split_frame(buffer, 4096)) is None:
+        buffer += raw.recv(4096)
+    proof = protocol.decode(body)
+    mac = frames.proof(key, b"client", proof.nonce, nonce_c)
+    raw.sendall(frames.plain_frame(protocol.encode(protocol.ClientProof(mac))))
+    sealer = frames.Sealer(frames.session_key(key, nonce_c, proof.nonce), frames.TO_DRIVER)
+    raw.sendall(sealer.seal(protocol.encode_batch([protocol.encode(protocol.Hello(7, "h"))])))
+    assert inbox.wait_for(lambda i: len(i.messages) == 1)
+    started = time.monotonic()
+    # Never read: kernel buffers (a few MiB on loopback) fill, then the backlog passes its
+    # bound and the peer goes.
+    for _ in range(2000):
+        server.broadcast(protocol.Abort("a" * 16_000))
+    assert time.monotonic() - started < 2.0  # the sender never blocked
+    assert inbox.wait_for(lambda i: i.disconnected == [7])
+    raw.close()

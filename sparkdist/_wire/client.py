@@ -1,0 +1,412 @@
+"""An agent's end of the control channel: one connection to the driver, one I/O thread.
+
+The constructor connects and runs the handshake (``frames``) within ``timeout_s`` in all,
+retrying while the driver drops the connection before answering (it evicts the oldest
+strangers when flooded); a driver that fails to prove it knows the secret is refused at once.
+Then one thread owns the socket: it hands the driver's messages to ``on_message`` and sends
+what the agent queued, control messages first, many messages per frame.
+
+Two queues, both bounded: ``send`` (control: never dropped; it waits for room, up to
+``SEND_TIMEOUT_S``, if the driver stopped reading) and ``post`` (output lines, progress:
+dropped and counted when full, never waits). Nothing here blocks on the network.
+
+Non-goals: what to send (the agent's outbox decides), the driver's side (``channel``).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sparkdist._wire import frames, protocol
+from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
+
+logger = logging.getLogger("sparkdist")
+
+#: Connect and handshake, retries included.
+CONNECT_TIMEOUT_S = 10.0
+HANDSHAKE_TIMEOUT_S = CONNECT_TIMEOUT_S
+#: How long ``send`` waits for room in a full control queue before giving the driver up.
+SEND_TIMEOUT_S = 30.0
+#: How long ``close`` keeps sending what is queued.
+CLOSE_FLUSH_S = 2.0
+#: Control messages queued at most (they are few: hello, store, ready, failed, rows, bye).
+CONTROL_QUEUE = 4096
+#: Droppable messages queued at most, and their bytes.
+POST_QUEUE = 10_000
+POST_QUEUE_BYTES = 4 << 20
+#: A frame is filled up to this many bytes of messages (one larger message goes alone).
+BATCH_BYTES = 256 << 10
+
+
+class ChannelClosed(ConnectionError):
+    """The peer went away, or sent something that broke the protocol."""
+
+
+def coerce(message: protocol.Message | Mapping[str, Any], route: Route) -> bytes:
+    """``message`` encoded; a mapping is first checked as the wire form of a record."""
+    if isinstance(message, Mapping):
+        message = protocol.from_wire(dict(message), route)
+    return protocol.encode(message, route)
+
+
+class _Retry(Exception):
+    """The driver dropped the connection before the handshake was over: try again."""
+
+
+class ChannelClient:
+    """An agent's connection to the driver.
+
+    Args:
+        address: (host, port) of the driver's channel.
+        secret: the run's secret.
+        on_message: called on the I/O thread with every message from the driver.
+        on_close: called once, on the I/O thread, when the connection ends.
+        timeout_s: deadline for the connection and the handshake, retries included.
+        typed: hand ``on_message`` typed records; False hands their checked wire dicts.
+
+    Raises:
+        OSError: the driver's address cannot be reached.
+        ChannelClosed: no handshake within ``timeout_s``, or the other end did not prove it
+            knows the secret.
+    """
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        secret: str,
+        on_message: Callable[[Any], None],
+        on_close: Callable[[], None] = lambda: None,
+        timeout_s: float = CONNECT_TIMEOUT_S,
+        *,
+        typed: bool = False,
+    ) -> None:
+        self.address = address
+        self._on_message = on_message
+        self._on_close = on_close
+        self._typed = typed
+        self._sock, self._sealer, self._inbox = _connect(
+            address, frames.secret_key(secret), time.monotonic() + timeout_s
+        )
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._cond = threading.Condition()
+        self._control: collections.deque[bytes] = collections.deque()
+        self._posted: collections.deque[bytes] = collections.deque()
+        self._posted_bytes = 0
+        self._out = bytearray()
+        self._idle = False  # the I/O thread waits with nothing to send: wake it on new work
+        self._closing_at: float | None = None  # set by close: send what is queued until then
+        self.closed = False
+        #: Droppable messages dropped because the queue was full or the connection gone.
+        self.dropped = 0
+        self._thread = threading.Thread(
+            target=self._run, name="sparkdist-channel-client", daemon=True
+        )
+        self._thread.start()
+
+    # -- called by the agent -------------------------------------------------------------------
+
+    def send(self, message: protocol.Message | Mapping[str, Any]) -> None:
+        """Queue a control message (never dropped while the connection lives).
+
+        Raises:
+            ProtocolError: ``message`` is not one an agent may send (the error says why).
+            ChannelClosed: the connection is gone, or the driver read nothing for
+                ``SEND_TIMEOUT_S`` while the queue was full.
+        """
+        data = coerce(message, Route.TO_DRIVER)
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        with self._cond:
+            while len(self._control) >= CONTROL_QUEUE and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ChannelClosed(
+                        f"the driver at {self.address} took none of {CONTROL_QUEUE} queued "
+                        f"control messages for {SEND_TIMEOUT_S} s"
+                    )
+                self._cond.wait(left)
+            if self.closed or self._closing_at is not None:
+                raise ChannelClosed(f"the channel to the driver at {self.address} is closed")
+            self._control.append(data)
+            self._kick()
+
+    def post(self, message: protocol.Message | Mapping[str, Any]) -> bool:
+        """Queue a droppable message (an output line, a report); False when it was dropped
+        (queue full, connection gone), counted in ``dropped``. Never waits.
+
+        Raises:
+            ProtocolError: ``message`` is not one an agent may send.
+        """
+        data = coerce(message, Route.TO_DRIVER)
+        with self._cond:
+            if (
+                self.closed
+                or self._closing_at is not None
+                or len(self._posted) >= POST_QUEUE
+                or self._posted_bytes + len(data) > POST_QUEUE_BYTES
+            ):
+                self.dropped += 1
+                return False
+            self._posted.append(data)
+            self._posted_bytes += len(data)
+            self._kick()
+            return True
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything queued was handed to the network; False on timeout or when
+        the connection ended first."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._control or self._posted or self._out:
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self.closed
+
+    def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Send what is queued (for up to ``flush_s``), then end the connection."""
+        with self._cond:
+            if self._closing_at is None:
+                self._closing_at = time.monotonic() + flush_s
+            self._kick(force=True)
+        if self._thread is not threading.current_thread():
+            self._thread.join(flush_s + 1.0)
+
+    def join(self, timeout_s: float) -> None:
+        """Wait for the I/O thread to finish (after close)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)
+
+    def _kick(self, force: bool = False) -> None:
+        """Wake the I/O thread if it sleeps with nothing to send (caller holds the lock)."""
+        if self._idle or force:
+            self._idle = False
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:
+                pass
+
+    # -- the I/O thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_r, selectors.EVENT_READ, None)
+        selector.register(self._sock, selectors.EVENT_READ, self._sock)
+        writing = False
+        try:
+            if self._inbox:  # frames that came right behind the welcome
+                self._read(b"")
+            while True:
+                self._fill()
+                if self._out:
+                    self._write()
+                with self._cond:
+                    if self._closing_at is not None and (
+                        not (self._control or self._posted or self._out)
+                        or time.monotonic() >= self._closing_at
+                    ):
+                        return
+                    want_write = bool(self._out)
+                    queued = bool(self._control or self._posted)
+                    if queued and not want_write:
+                        continue  # the socket took it all: fill the next frame now
+                    self._idle = not (want_write or queued)
+                if want_write != writing:
+                    writing = want_write
+                    events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+                    selector.modify(self._sock, events, self._sock)
+                timeout = None
+                if self._closing_at is not None:
+                    timeout = max(0.0, self._closing_at - time.monotonic())
+                for key, mask in selector.select(timeout):
+                    if key.data is None:
+                        _drain(self._wake_r)
+                    elif mask & selectors.EVENT_READ:
+                        try:
+                            data = self._sock.recv(1 << 18)
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        if not data:
+                            return  # the driver closed the channel
+                        self._read(data)
+        except (OSError, ChannelClosed):
+            pass
+        except (ProtocolError, frames.FrameError) as exc:
+            logger.warning(
+                "sparkdist: the driver's control channel at %s sent a frame this agent refuses "
+                "(%s); closing it",
+                self.address,
+                exc,
+            )
+        finally:
+            selector.close()
+            self._finish()
+
+    def _read(self, data: bytes) -> None:
+        self._inbox += data
+        while True:
+            body = frames.split_frame(self._inbox, frames.MAX_SEALED_BYTES)
+            if body is None:
+                return
+            for message in protocol.decode_batch(self._sealer.open(body), Route.TO_AGENT):
+                if isinstance(message, protocol.Welcome):
+                    continue
+                try:
+                    self._on_message(message if self._typed else protocol.wire_dict(message))
+                except Exception:  # the agent's bug must not cut it off from the driver
+                    logger.exception("sparkdist: control channel handler failed")
+
+    def _fill(self) -> None:
+        """Move queued messages into the next frame(s), control first, while the socket keeps
+        up (at most one frame waits in ``_out``)."""
+        if len(self._out) >= BATCH_BYTES:
+            return
+        batch: list[bytes] = []
+        size = 0
+        with self._cond:
+            for queue in (self._control, self._posted):
+                while queue and (not batch or size + len(queue[0]) + 1 <= BATCH_BYTES):
+                    data = queue.popleft()
+                    if queue is self._posted:
+                        self._posted_bytes -= len(data)
+                    batch.append(data)
+                    size += len(data) + 1
+            if batch:
+                # Under the lock: ``flush`` must never see the batch in neither place.
+                self._out += self._sealer.seal(protocol.encode_batch(batch))
+                self._cond.notify_all()  # room for a waiting ``send``
+
+    def _write(self) -> None:
+        try:
+            sent = self._sock.send(self._out)
+        except (BlockingIOError, InterruptedError):
+            return
+        with self._cond:
+            del self._out[:sent]
+            if not self._out:
+                self._cond.notify_all()  # for ``flush``
+
+    def _finish(self) -> None:
+        with self._cond:
+            self.closed = True
+            self.dropped += len(self._posted)
+            self._posted.clear()
+            self._control.clear()
+            self._out.clear()
+            self._cond.notify_all()
+        for sock in (self._sock, self._wake_r, self._wake_w):
+            try:
+                sock.close()
+            except OSError:
+                pass
+        try:
+            self._on_close()
+        except Exception:
+            logger.exception("sparkdist: control channel close handler failed")
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
+
+
+# -- connecting ----------------------------------------------------------------------------------
+
+
+def _connect(
+    address: tuple[str, int], key: bytes, deadline: float
+) -> tuple[socket.socket, frames.Sealer, bytearray]:
+    """Connect and shake hands, retrying while the driver drops us mid-way, until
+    ``deadline``."""
+    delay = 0.02
+    while True:
+        try:
+            return _handshake(address, key, deadline)
+        except _Retry as exc:
+            if time.monotonic() + delay >= deadline:
+                raise ChannelClosed(
+                    f"no handshake with the driver's control channel at {address} in time: "
+                    f"{exc} (is the driver overloaded, or running another sparkdist version?)"
+                ) from None
+            time.sleep(delay)
+            delay = min(2 * delay, 0.5)
+
+
+def _handshake(
+    address: tuple[str, int], key: bytes, deadline: float
+) -> tuple[socket.socket, frames.Sealer, bytearray]:
+    sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buffer = bytearray()
+        nonce_c = frames.new_nonce()
+        hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, nonce_c)
+        _send_before(sock, frames.plain_frame(protocol.encode(hello)), deadline)
+        body = _read_frame(sock, buffer, MAX_HANDSHAKE_BYTES, deadline)
+        proof = protocol.decode(body, Route.HANDSHAKE)
+        if not isinstance(proof, protocol.ServerProof) or not frames.proof_matches(
+            frames.proof(key, b"server", nonce_c, proof.nonce), proof.mac
+        ):
+            raise ChannelClosed(
+                f"the process at {address} did not prove it knows the run's secret (a stale "
+                "driver's port reused, or a stranger): refused"
+            )
+        mine = frames.proof(key, b"client", proof.nonce, nonce_c)
+        _send_before(
+            sock, frames.plain_frame(protocol.encode(protocol.ClientProof(mine))), deadline
+        )
+        sealer = frames.Sealer(frames.session_key(key, nonce_c, proof.nonce), frames.TO_DRIVER)
+        body = _read_frame(sock, buffer, frames.MAX_SEALED_BYTES, deadline)
+        welcome = protocol.decode_batch(sealer.open(body), Route.TO_AGENT)
+        if welcome[:1] != [protocol.Welcome()]:
+            raise ChannelClosed(f"the driver at {address} did not welcome this agent")
+        sock.setblocking(False)
+        return sock, sealer, buffer
+    except (ProtocolError, frames.FrameError) as exc:
+        sock.close()
+        raise ChannelClosed(f"the driver's handshake at {address} is malformed: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _send_before(sock: socket.socket, data: bytes, deadline: float) -> None:
+    sock.settimeout(max(0.001, deadline - time.monotonic()))
+    try:
+        sock.sendall(data)
+    except TimeoutError:
+        raise ChannelClosed("the driver took no handshake bytes in time") from None
+    except OSError as exc:
+        raise _Retry(f"the connection failed mid-handshake ({exc})") from None
+
+
+def _read_frame(sock: socket.socket, buffer: bytearray, limit: int, deadline: float) -> bytes:
+    while True:
+        body = frames.split_frame(buffer, limit)
+        if body is not None:
+            return body
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Retry("the driver did not answer the handshake in time")
+        sock.settimeout(left)
+        try:
+            data = sock.recv(1 << 16)
+        except TimeoutError:
+            raise _Retry("the driver did not answer the handshake in time") from None
+        except OSError as exc:
+            raise _Retry(f"the connection failed mid-handshake ({exc})") from None
+        if not data:
+            raise _Retry("the driver closed the connection mid-handshake")
+        buffer += data

@@ -1,0 +1,623 @@
+"""Every message of the control channel, as a typed record, and its one encoder and decoder.
+
+A message is a frozen dataclass; on the wire it is one JSON object whose ``"t"`` names its
+kind. ``decode`` is the only way in: it checks the kind, that every field is present (or has a
+default), that nothing else is, and each field's type and size, and raises ``ProtocolError`` on
+anything else, whatever the bytes (it never unpickles; the JSON parser's depth is bounded
+and every field's shape is fixed, so no input reaches a ``RecursionError`` or a ``TypeError``).
+``encode`` checks the same rules on the way out, so a record that would be refused is refused
+at its sender, naming the field, its size and the limit.
+
+Which way a kind may travel is part of its definition (``Route``): the driver accepts only
+what agents send, an agent only what the driver sends, and a handshake only handshake kinds.
+A frame of the channel carries a batch: a JSON array of messages (``encode_batch``).
+
+Non-goals: sockets, authentication, framing (``channel``), what a message means (the agent
+and the supervisor decide).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeAlias
+
+from sparkdist._core.env import RENDEZVOUS_ENV_VARS
+
+#: The handshake's protocol version: a driver and an agent of different versions never pair.
+PROTOCOL_VERSION = 2
+#: Largest frame payload (a batch of messages) after the handshake.
+MAX_FRAME_BYTES = 1 << 20
+#: Largest single message: one always fits in a frame on its own.
+MAX_MESSAGE_BYTES = MAX_FRAME_BYTES - 16
+#: Largest frame during the handshake.
+MAX_HANDSHAKE_BYTES = 1024
+#: Longest output line in one ``Log``; a longer one travels as several (``log_chunks``).
+MAX_LOG_CHARS = 64 * 1024
+#: Longest reason (abort, refusal): longer ones are cut on construction, not refused.
+MAX_REASON_CHARS = 16 * 1024
+#: Longest host name, metric name, package row cell.
+MAX_NAME_CHARS = 1024
+MAX_METRIC_NAME_CHARS = 250  # MLflow's limit for a metric key
+#: Most metrics in one ``runtime.report()``.
+MAX_METRICS = 1000
+#: Most rows in a refusal (one per unmet requirement) or row counts in one ``Rows``.
+MAX_ROWS = 4096
+#: Longest value of a rendezvous variable (the row counts of a very large world fit).
+MAX_ENV_VALUE_CHARS = 256 * 1024
+#: Nonces and MACs are 32 bytes, sent as 64 hex digits.
+NONCE_BYTES = 32
+_INT64 = 1 << 63
+
+
+class ProtocolError(ValueError):
+    """Bytes or a record that are not a valid message of this protocol (the only error
+    ``decode`` and ``encode`` raise)."""
+
+
+class Route(enum.Enum):
+    """Where a kind of message may travel."""
+
+    TO_DRIVER = "agent to driver"
+    TO_AGENT = "driver to agent"
+    HANDSHAKE = "handshake"
+    WORKER = "worker to agent (its pipe)"
+
+
+class Stream(str, enum.Enum):
+    STDOUT = "stdout"
+    STDERR = "stderr"
+
+
+# -- field checks: (wire value, where) -> typed value, or ProtocolError --------------------------
+
+Check = Callable[[Any, str], Any]
+
+
+def _int(lo: int = -_INT64, hi: int = _INT64 - 1) -> Check:
+    def check(value: Any, where: str) -> int:
+        if type(value) is not int or not lo <= value <= hi:
+            raise ProtocolError(f"{where} must be an integer in [{lo}, {hi}], got {_show(value)}")
+        return value
+
+    return check
+
+
+def _float(value: Any, where: str) -> float:
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ProtocolError(f"{where} must be a finite number, got {_show(value)}")
+    return float(value)
+
+
+def _bool(value: Any, where: str) -> bool:
+    if type(value) is not bool:
+        raise ProtocolError(f"{where} must be true or false, got {_show(value)}")
+    return value
+
+
+def _str(max_chars: int) -> Check:
+    def check(value: Any, where: str) -> str:
+        if type(value) is not str:
+            raise ProtocolError(f"{where} must be a string, got {_show(value)}")
+        if len(value) > max_chars:
+            raise ProtocolError(
+                f"{where} has {len(value)} characters, over the limit of {max_chars}"
+            )
+        return value
+
+    return check
+
+
+def _hex(value: Any, where: str) -> str:
+    if (
+        type(value) is not str
+        or len(value) != 2 * NONCE_BYTES
+        or value.strip("0123456789abcdef") != ""
+    ):
+        raise ProtocolError(f"{where} must be {2 * NONCE_BYTES} lowercase hex digits")
+    return value
+
+
+def _optional(check: Check) -> Check:
+    def optional(value: Any, where: str) -> Any:
+        return None if value is None else check(value, where)
+
+    return optional
+
+
+def _stream(value: Any, where: str) -> Stream:
+    if value == "stdout":
+        return Stream.STDOUT
+    if value == "stderr":
+        return Stream.STDERR
+    raise ProtocolError(f"{where} must be 'stdout' or 'stderr', got {_show(value)}")
+
+
+def _mapping(key: Check, value: Check, max_items: int) -> Check:
+    def check(raw: Any, where: str) -> dict[Any, Any]:
+        if type(raw) is not dict:
+            raise ProtocolError(f"{where} must be an object, got {_show(raw)}")
+        if len(raw) > max_items:
+            raise ProtocolError(f"{where} has {len(raw)} entries, over the limit of {max_items}")
+        return {
+            key(k, f"a key of {where}"): value(v, f"{where}[{k!r:.40}]") for k, v in raw.items()
+        }
+
+    return check
+
+
+def _rank_key(value: Any, where: str) -> int:
+    # JSON object keys are strings: a rank travels as its decimal digits.
+    if type(value) is not str or not value.isascii() or not value.isdigit() or len(value) > 9:
+        raise ProtocolError(f"{where} must be a rank (decimal digits), got {_show(value)}")
+    return int(value)
+
+
+def _env_key(value: Any, where: str) -> str:
+    if value not in RENDEZVOUS_ENV_VARS:
+        raise ProtocolError(
+            f"{where} is {_show(value)}, not a variable the rendezvous may set "
+            f"({', '.join(sorted(RENDEZVOUS_ENV_VARS))})"
+        )
+    return str(value)
+
+
+def _rows(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
+    # Tuples only ever come from a sender's own records; JSON has lists.
+    if type(value) not in (list, tuple) or len(value) > MAX_ROWS:
+        raise ProtocolError(f"{where} must be a list of at most {MAX_ROWS} rows")
+    cell = _str(MAX_NAME_CHARS)
+    rows = []
+    for i, row in enumerate(value):
+        if type(row) not in (list, tuple) or len(row) != 4:
+            raise ProtocolError(f"{where}[{i}] must be a list of 4 strings")
+        rows.append(
+            (cell(row[0], where), cell(row[1], where), cell(row[2], where), cell(row[3], where))
+        )
+    return tuple(rows)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+_NODE = _int(0, (1 << 31) - 1)
+_RANK = _int(0, (1 << 31) - 1)
+_PORT = _int(0, 65535)
+_HOST = _str(MAX_NAME_CHARS)
+_REASON = _str(MAX_REASON_CHARS)
+
+
+def _clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
+    """Reasons are for people: an over-long one is cut (its start says what happened)."""
+    if len(text) <= limit:
+        return text
+    marker = " ... (cut)"
+    return text[: limit - len(marker)] + marker
+
+
+# -- the messages ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Agent to driver: this node passed its checks and spawned its ranks."""
+
+    node: int
+    host: str
+    kind: ClassVar[str] = "hello"
+
+
+@dataclass(frozen=True)
+class Store:
+    """Agent to driver (and worker to agent): rank 0's store listens on ``port``."""
+
+    port: int
+    kind: ClassVar[str] = "store"
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Agent to driver: ``rank`` received the rendezvous and runs the user's code."""
+
+    rank: int
+    kind: ClassVar[str] = "ready"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Agent to driver: ``rank`` failed on its own (exited non-zero, died, or hung).
+
+    Attributes:
+        rank: the global rank.
+        exit_code: its exit status (negative: a signal), None when it did not exit (a hang).
+        time: wall-clock time the agent saw it (seconds since the epoch).
+        hung: it stopped sending heartbeats.
+        last_beat: for a hang, the wall-clock time of its last heartbeat.
+    """
+
+    rank: int
+    exit_code: int | None
+    time: float
+    hung: bool = False
+    last_beat: float | None = None
+    kind: ClassVar[str] = "failed"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Agent to driver: DataFrame rows each of this node's ranks got, by global rank."""
+
+    counts: Mapping[int, int]
+    kind: ClassVar[str] = "rows"
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Agent to driver: this node will not start its ranks.
+
+    Attributes:
+        node: the node.
+        host: its host.
+        reason: why, in words (a wrong GPU type), or None.
+        rows: unmet package requirements, as (host, package, wanted, found).
+    """
+
+    node: int
+    host: str
+    reason: str | None
+    rows: tuple[tuple[str, str, str, str], ...] = ()
+    kind: ClassVar[str] = "refused"
+
+    def __post_init__(self) -> None:
+        if self.reason is not None:
+            object.__setattr__(self, "reason", _clip(self.reason))
+
+
+@dataclass(frozen=True)
+class Bye:
+    """Agent to driver, last: every rank of ``node`` ended and all its output was sent,
+    except ``dropped`` lines (and reports) that the driver could not take in time."""
+
+    node: int
+    dropped: int = 0
+    kind: ClassVar[str] = "bye"
+
+
+@dataclass(frozen=True)
+class Log:
+    """Agent to driver: one line a rank printed (without its newline)."""
+
+    rank: int
+    stream: Stream
+    line: str
+    kind: ClassVar[str] = "log"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Agent to driver (and worker to agent): a rank's ``runtime.report()``."""
+
+    rank: int
+    step: int | None = None
+    total: int | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    kind: ClassVar[str] = "report"
+
+
+@dataclass(frozen=True)
+class Beat:
+    """Worker to agent: this rank is alive (``runtime.heartbeat()``)."""
+
+    rank: int
+    kind: ClassVar[str] = "beat"
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Driver to agent: the store's port, and the variables every rank gets before it runs
+    user code (only those of ``RENDEZVOUS_ENV_VARS``)."""
+
+    master_port: int
+    env: Mapping[str, str] = field(default_factory=dict)
+    kind: ClassVar[str] = "rendezvous"
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Driver to agent: end every rank now, for ``reason``."""
+
+    reason: str
+    kind: ClassVar[str] = "abort"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", _clip(self.reason))
+
+
+@dataclass(frozen=True)
+class ClientHello:
+    """Handshake, agent first: its protocol version and a fresh nonce."""
+
+    version: int
+    nonce: str
+    kind: ClassVar[str] = "c_hello"
+
+
+@dataclass(frozen=True)
+class ServerProof:
+    """Handshake, driver: its fresh nonce and its proof of the secret over both nonces."""
+
+    nonce: str
+    mac: str
+    kind: ClassVar[str] = "s_proof"
+
+
+@dataclass(frozen=True)
+class ClientProof:
+    """Handshake, agent, once the driver's proof checked out: its own proof."""
+
+    mac: str
+    kind: ClassVar[str] = "c_proof"
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """The driver's first authenticated frame: the agent is in."""
+
+    kind: ClassVar[str] = "welcome"
+
+
+Message: TypeAlias = (
+    Hello
+    | Store
+    | Ready
+    | Failed
+    | Rows
+    | Refused
+    | Bye
+    | Log
+    | Report
+    | Beat
+    | Rendezvous
+    | Abort
+    | ClientHello
+    | ServerProof
+    | ClientProof
+    | Welcome
+)
+
+
+@dataclass(frozen=True)
+class _Kind:
+    cls: type[Any]
+    routes: frozenset[Route]
+    fields: tuple[tuple[str, Check, bool], ...]  # (name, check, required)
+    to_wire: Callable[[Any], dict[str, Any]]
+
+
+def _plain(message: Any) -> dict[str, Any]:
+    wire: dict[str, Any] = {"t": message.kind}
+    for f in dataclasses.fields(message):
+        value = getattr(message, f.name)
+        wire[f.name] = value.value if isinstance(value, enum.Enum) else value
+    return wire
+
+
+def _kinds() -> dict[str, _Kind]:
+    to_driver, to_agent = Route.TO_DRIVER, Route.TO_AGENT
+    hs, worker = Route.HANDSHAKE, Route.WORKER
+    table: list[tuple[type[Any], frozenset[Route], tuple[tuple[str, Check, bool], ...]]] = [
+        (Hello, frozenset({to_driver}), (("node", _NODE, True), ("host", _HOST, True))),
+        (Store, frozenset({to_driver, worker}), (("port", _PORT, True),)),
+        (Ready, frozenset({to_driver, worker}), (("rank", _RANK, True),)),
+        (
+            Failed,
+            frozenset({to_driver}),
+            (
+                ("rank", _RANK, True),
+                ("exit_code", _optional(_int()), True),
+                ("time", _float, True),
+                ("hung", _bool, False),
+                ("last_beat", _optional(_float), False),
+            ),
+        ),
+        (Rows, frozenset({to_driver}), (("counts", _mapping(_rank_key, _int(0), MAX_ROWS), True),)),
+        (
+            Refused,
+            frozenset({to_driver}),
+            (
+                ("node", _NODE, True),
+                ("host", _HOST, True),
+                ("reason", _optional(_REASON), True),
+                ("rows", _rows, False),
+            ),
+        ),
+        (Bye, frozenset({to_driver}), (("node", _NODE, True), ("dropped", _int(0), False))),
+        (
+            Log,
+            frozenset({to_driver}),
+            (("rank", _RANK, True), ("stream", _stream, True), ("line", _str(MAX_LOG_CHARS), True)),
+        ),
+        (
+            Report,
+            frozenset({to_driver, worker}),
+            (
+                ("rank", _RANK, True),
+                ("step", _optional(_int()), False),
+                ("total", _optional(_int()), False),
+                ("metrics", _mapping(_str(MAX_METRIC_NAME_CHARS), _float, MAX_METRICS), False),
+            ),
+        ),
+        (Beat, frozenset({worker}), (("rank", _RANK, True),)),
+        (
+            Rendezvous,
+            frozenset({to_agent, worker}),
+            (
+                ("master_port", _PORT, True),
+                (
+                    "env",
+                    _mapping(_env_key, _str(MAX_ENV_VALUE_CHARS), len(RENDEZVOUS_ENV_VARS)),
+                    False,
+                ),
+            ),
+        ),
+        (Abort, frozenset({to_agent}), (("reason", _REASON, True),)),
+        (
+            ClientHello,
+            frozenset({hs}),
+            (("version", _int(0, 1 << 16), True), ("nonce", _hex, True)),
+        ),
+        (ServerProof, frozenset({hs}), (("nonce", _hex, True), ("mac", _hex, True))),
+        (ClientProof, frozenset({hs}), (("mac", _hex, True),)),
+        (Welcome, frozenset({to_agent}), ()),
+    ]
+    wire_forms: dict[type[Any], Callable[[Any], dict[str, Any]]] = {
+        Rows: lambda m: {"t": "rows", "counts": {str(r): n for r, n in m.counts.items()}},
+        Refused: lambda m: {**_plain(m), "rows": [list(row) for row in m.rows]},
+        Report: lambda m: {**_plain(m), "metrics": dict(m.metrics)},
+        Rendezvous: lambda m: {**_plain(m), "env": dict(m.env)},
+    }
+    return {
+        cls.kind: _Kind(cls, routes, fields, wire_forms.get(cls, _plain))
+        for cls, routes, fields in table
+    }
+
+
+_KINDS = _kinds()
+_BY_CLASS = {kind.cls: kind for kind in _KINDS.values()}
+
+
+# -- encoding and decoding ---------------------------------------------------------------------
+
+
+def to_wire(message: Message) -> dict[str, Any]:
+    """The JSON object ``message`` travels as (checked like ``encode``)."""
+    kind = _BY_CLASS.get(type(message))
+    if kind is None:
+        raise ProtocolError(f"{type(message).__name__} is not a message of the control channel")
+    wire = kind.to_wire(message)
+    _check_fields(kind, wire)  # the sender hears of a bad record, not its receiver
+    return wire
+
+
+def wire_dict(message: Message) -> dict[str, Any]:
+    """``to_wire`` without the checks, for a record that came out of ``decode``."""
+    return _BY_CLASS[type(message)].to_wire(message)
+
+
+def encode(message: Message, route: Route | None = None) -> bytes:
+    """The bytes of one message; ``ProtocolError`` for a record ``decode`` would refuse.
+
+    Args:
+        message: the record.
+        route: when given, ``message`` must be of a kind that may travel this way.
+
+    Example:
+        >>> encode(Ready(rank=3))
+        b'{"t":"ready","rank":3}'
+    """
+    kind = _BY_CLASS.get(type(message))
+    if kind is None:
+        raise ProtocolError(f"{type(message).__name__} is not a message of the control channel")
+    if route is not None and route not in kind.routes:
+        raise ProtocolError(f"a {message.kind!r} message may not travel {route.value}")
+    wire = kind.to_wire(message)
+    _check_fields(kind, wire)  # the sender hears of a bad record, not its receiver
+    data = json.dumps(wire, separators=(",", ":"), allow_nan=False).encode()
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(
+            f"a {message.kind!r} message of {len(data)} bytes exceeds the control channel's "
+            f"limit of {MAX_MESSAGE_BYTES} bytes"
+        )
+    return data
+
+
+def decode(data: bytes, route: Route | None = None) -> Message:
+    """The message in ``data``; ``ProtocolError`` for anything else.
+
+    Args:
+        data: one encoded message.
+        route: when given, only kinds that may travel this way are accepted.
+    """
+    return from_wire(_parse(data, MAX_MESSAGE_BYTES), route)
+
+
+def encode_batch(encoded: Sequence[bytes]) -> bytes:
+    """One frame's payload from messages already ``encode``d."""
+    return b"[" + b",".join(encoded) + b"]"
+
+
+def decode_batch(data: bytes, route: Route | None = None) -> list[Message]:
+    """The messages of one frame's payload (``encode_batch``); ``ProtocolError`` otherwise."""
+    items = _parse(data, MAX_FRAME_BYTES)
+    if type(items) is not list:
+        raise ProtocolError(f"a frame must hold a list of messages, got {_show(items)}")
+    return [from_wire(item, route) for item in items]
+
+
+def from_wire(wire: Any, route: Route | None = None) -> Message:
+    """The message a parsed JSON object stands for; ``ProtocolError`` for anything else."""
+    if type(wire) is not dict:
+        raise ProtocolError(f"a message must be a JSON object, got {_show(wire)}")
+    tag = wire.get("t")
+    kind = _KINDS.get(tag) if type(tag) is str else None
+    if kind is None:
+        raise ProtocolError(f"unknown message kind {_show(tag)}")
+    if route is not None and route not in kind.routes:
+        raise ProtocolError(f"a {tag!r} message may not travel {route.value}")
+    return kind.cls(**_check_fields(kind, wire))  # type: ignore[no-any-return]
+
+
+def _check_fields(kind: _Kind, wire: dict[str, Any]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name, check, required in kind.fields:
+        if name in wire:
+            values[name] = check(wire[name], f"{kind.cls.kind}.{name}")
+        elif required:
+            raise ProtocolError(f"a {kind.cls.kind!r} message lacks its {name!r} field")
+    if len(wire) != len(values) + 1:
+        extra = sorted(str(k) for k in wire if k != "t" and k not in values)
+        raise ProtocolError(f"a {kind.cls.kind!r} message has unknown field(s) {extra[:5]}")
+    return values
+
+
+def _reject_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not a number this protocol carries")
+
+
+def _parse(data: bytes, limit: int) -> Any:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > limit:
+        raise ProtocolError(f"{len(data)} bytes exceed the limit of {limit}")
+    try:
+        text = bytes(data).decode("utf-8")
+        # The C parser bounds its own nesting (RecursionError past the interpreter's limit);
+        # nothing deeper than three levels is valid anyway.
+        return json.loads(text, parse_constant=_reject_constant)
+    except ProtocolError:
+        raise
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise ProtocolError(f"not a JSON message: {str(exc)[:200]}") from None
+
+
+def log_chunks(rank: int, stream: Stream | str, text: str) -> list[Log]:
+    """``text`` as ``Log`` messages that each fit the limit (an over-long line is cut up)."""
+    kind = Stream(stream)
+    if len(text) <= MAX_LOG_CHARS:
+        return [Log(rank, kind, text)]
+    return [
+        Log(rank, kind, text[start : start + MAX_LOG_CHARS])
+        for start in range(0, len(text), MAX_LOG_CHARS)
+    ]
+
+
+def kind_of(tag: str) -> type[Any] | None:
+    """The record class of a wire tag (``"log"`` -> ``Log``), or None."""
+    kind = _KINDS.get(tag)
+    return None if kind is None else kind.cls
