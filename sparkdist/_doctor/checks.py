@@ -8,7 +8,8 @@ What counts as a problem: what stops a run (no torch, no pyspark, no usable Java
 session that does not start, a conf Spark mode refuses, GPUs torch cannot use). No GPU on a CPU
 machine, no DeepSpeed, no MLflow are notes: runs still work.
 
-Non-goals: printing (the CLI prints ``format_checks``), fixing anything.
+Non-goals: printing (the CLI prints ``format_checks`` and the ``progress`` lines), fixing
+anything.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import importlib.metadata
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sparkdist._doctor.progress import Progress, Silent
 from sparkdist._doctor.spark import (
     SPARK_PROBE_TIMEOUT_S,
     SparkProbe,
@@ -50,6 +53,7 @@ def run_checks(
     conf_overrides: Mapping[str, str] | None = None,
     properties_file: str | None = None,
     spark_timeout_s: float = SPARK_PROBE_TIMEOUT_S,
+    progress: Progress | None = None,
 ) -> list[Check]:
     """Run every check and return them in table order.
 
@@ -57,56 +61,108 @@ def run_checks(
         conf_overrides: Spark conf to judge on top of spark-defaults.conf (``--conf``).
         properties_file: a Spark properties file to judge instead of spark-defaults.conf.
         spark_timeout_s: how long the Spark session check may take.
+        progress: told as each check starts and ends (the CLI prints it).
     """
     from sparkdist._backends.session import read_properties, spark_defaults_path
 
+    tell = progress if progress is not None else Silent()
     source = properties_file or spark_defaults_path()
     conf = dict(read_properties(source)) if source else {}  # a bad file fails before the JVM
     conf.update(conf_overrides or {})
     where = str(source) if source else "no spark-defaults.conf"
     if conf_overrides:
         where += " + --conf"
+    python_check = _timed(tell, "python", check_python)
     pyspark_version = installed_version("pyspark")
     java = find_java(os.environ)
-    java_check = check_java(java, java_version_text(java) if java else "", pyspark_version)
+    java_check = _timed(
+        tell,
+        "java",
+        lambda: check_java(java, java_version_text(java) if java else "", pyspark_version),
+    )
+    pyspark_check = _timed(tell, "pyspark", lambda: check_pyspark(pyspark_version))
     probe = None
+    probe_started = time.monotonic()
     if pyspark_version and java_check.status is not Status.PROBLEM:
+        # Started first, so the JVM boots while the other checks run.
+        tell.started(
+            "spark session",
+            f"a local[1] session in a child process, up to {spark_timeout_s:.0f} s; the "
+            "other checks run meanwhile",
+        )
         probe = SparkProbe(spark_timeout_s)
     try:
+        tell.started("torch", "imports it")
+        started = time.monotonic()
         torch = probe_torch()
+        torch_check = check_torch(torch)
+        tell.finished(torch_check, time.monotonic() - started)
+        tell.started("gpus")
+        started = time.monotonic()
         gpus = visible_gpus()
-        session = (
-            probe.check()
-            if probe is not None
-            else Check(
-                "spark session",
-                Status.PROBLEM,
-                "not tried: needs pyspark and Java",
-                "fix the pyspark and java rows above",
-            )
+        gpus_check = check_gpus(gpus, torch, nvidia_smi=shutil.which("nvidia-smi") is not None)
+        tell.finished(gpus_check, time.monotonic() - started)
+        conf_check = _timed(
+            tell, "spark gpu conf", lambda: check_gpu_conf(conf, where, gpus_here=bool(gpus))
         )
+        optional = [
+            _timed(
+                tell,
+                "deepspeed",
+                lambda: check_optional(
+                    "deepspeed",
+                    installed_version("deepspeed"),
+                    "pip install deepspeed (needed only for --mode deepspeed)",
+                ),
+            ),
+            _timed(
+                tell,
+                "mlflow",
+                lambda: check_optional(
+                    "mlflow",
+                    installed_version("mlflow"),
+                    "pip install mlflow (needed only to log the ranks' metrics to MLflow)",
+                ),
+            ),
+        ]
+        if probe is not None:
+            if probe.running():  # everything else is done: say what the wait is for
+                tell.waiting("spark session", time.monotonic() - probe_started)
+            session = probe.check()
+            tell.finished(session, time.monotonic() - probe_started)
+        else:
+            session = _timed(
+                tell,
+                "spark session",
+                lambda: Check(
+                    "spark session",
+                    Status.PROBLEM,
+                    "not tried: needs pyspark and Java",
+                    "fix the pyspark and java rows above",
+                ),
+            )
     finally:
         if probe is not None:
             probe.kill()
     return [
-        check_python(),
+        python_check,
         java_check,
-        check_pyspark(pyspark_version),
+        pyspark_check,
         session,
-        check_torch(torch),
-        check_gpus(gpus, torch, nvidia_smi=shutil.which("nvidia-smi") is not None),
-        check_gpu_conf(conf, where, gpus_here=bool(gpus)),
-        check_optional(
-            "deepspeed",
-            installed_version("deepspeed"),
-            "pip install deepspeed (needed only for --mode deepspeed)",
-        ),
-        check_optional(
-            "mlflow",
-            installed_version("mlflow"),
-            "pip install mlflow (needed only to log the ranks' metrics to MLflow)",
-        ),
+        torch_check,
+        gpus_check,
+        conf_check,
+        *optional,
     ]
+
+
+def _timed(tell: Progress, name: str, check: Callable[[], Check], note: str = "") -> Check:
+    """Run one check, telling ``tell`` as it starts and ends."""
+    tell.started(name, note)
+    started = time.monotonic()
+    result = check()
+    tell.finished(result, time.monotonic() - started)
+    return result
 
 
 def installed_version(distribution: str) -> str | None:

@@ -163,6 +163,10 @@ class SparkProbe:
             )
         return judge_probe(self._process.returncode, out, err)
 
+    def running(self) -> bool:
+        """Whether the probe has not ended yet."""
+        return self._process.poll() is None
+
     def kill(self) -> None:
         """End the probe and its JVM if they are still running."""
         if self._process.poll() is None:

@@ -1,6 +1,6 @@
-"""The doctor's verdicts and the table the CLI prints.
+"""The doctor's verdicts, the table the CLI prints and its one-line verdict.
 
-Non-goals: running checks (``_doctor``, ``_doctor_spark``), printing (the CLI prints).
+Non-goals: running checks (``checks``, ``spark``), printing (the CLI prints; ``progress``).
 """
 
 from __future__ import annotations
@@ -50,17 +50,20 @@ def format_checks(checks: Sequence[Check], width: int = 100) -> str:
         if check.fix:
             fix = textwrap.wrap("fix: " + check.fix, wrap_at, subsequent_indent="     ")
             lines.extend(indent + part for part in fix)
-    counts = {status: sum(c.status is status for c in checks) for status in Status}
-    verdict = (
-        "not ready: fix the PROBLEM rows"
-        if counts[Status.PROBLEM]
-        else "ready (NOTE rows are optional)"
-        if counts[Status.NOTE]
-        else "ready"
-    )
     lines.append("")
-    lines.append(
-        f"{counts[Status.OK]} OK, {counts[Status.NOTE]} note(s), "
-        f"{counts[Status.PROBLEM]} problem(s): {verdict}"
-    )
+    lines.append(verdict(checks))
     return "\n".join(lines)
+
+
+def verdict(checks: Sequence[Check]) -> str:
+    """The doctor's last line: ready or not, the counts, and which rows need a look."""
+    names = {status: [c.name for c in checks if c.status is status] for status in Status}
+    problems, notes = names[Status.PROBLEM], names[Status.NOTE]
+    counts = (
+        f"{len(names[Status.OK])} OK, {len(notes)} note(s)"
+        + (f" (optional: {', '.join(notes)})" if notes and not problems else "")
+        + f", {len(problems)} problem(s)"
+    )
+    if problems:
+        return f"doctor: not ready: {counts} ({', '.join(problems)}); fix the PROBLEM rows above"
+    return f"doctor: ready: {counts}"

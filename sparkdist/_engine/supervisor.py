@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import re
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from sparkdist._core.errors import (
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
+from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
 from sparkdist._node.agent import Agent, AgentSpec
 from sparkdist._node.detached import failures_in
 from sparkdist._wire.channel import ChannelServer, Message, Peer
@@ -53,8 +53,6 @@ ABORT_GRACE_S = 60.0
 AGENT_STOP_S = 5.0
 #: How long the driver waits for the agents' last output lines after the run ends.
 OUTPUT_DRAIN_S = 5.0
-
-_print_lock = threading.Lock()
 
 
 class RunMonitor:
@@ -231,16 +229,6 @@ class RunMonitor:
             self.server.broadcast(message)
 
 
-def _print_rank_line(message: Message) -> None:
-    stream = sys.stderr if message.get("stream") == "stderr" else sys.stdout
-    with _print_lock:
-        try:
-            stream.write(f"[rank {message['rank']}] {message['line']}\n")
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # the driver's own output is gone; training goes on
-
-
 class Submission:
     """The agents' side of the run, started on a thread: one local agent or a barrier stage."""
 
@@ -388,10 +376,12 @@ def _stop(submission: Submission, monitor: RunMonitor, error: BaseException) -> 
     # threads keep delivering messages even when the caller holds it.
     if not submission.local:
         # The agents that reached the channel end their ranks on the abort and say bye; only
-        # then is the stage cancelled (for the agents the abort cannot reach).
+        # then is the stage cancelled (for the agents the abort cannot reach). A stage that is
+        # over is no sign their ranks are gone: pyspark's own Ctrl-C handler cancels every job
+        # first, and a cancelled task's agent goes on until Spark kills its Python worker.
         with monitor.changed:
             monitor.changed.wait_for(
-                lambda: submission.done or set(monitor.node_hosts) <= monitor.byes,
+                lambda: set(monitor.node_hosts) <= monitor.byes | set(monitor.lost_nodes),
                 timeout=AGENT_STOP_S,
             )
     submission.cancel(str(error))

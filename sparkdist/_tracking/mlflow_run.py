@@ -3,10 +3,15 @@
 While the workers start, a thread of its own imports mlflow and creates (or reuses) the MLflow
 run; every attempt's rendezvous is held until then, so each rank gets ``MLFLOW_RUN_ID``,
 ``MLFLOW_EXPERIMENT_ID`` and ``MLFLOW_TRACKING_URI`` before user code runs and a bare
-``mlflow.log_metric`` lands in that run. The launch's params are logged after the release;
-reported metrics go in batches, at most one a second; at the end the outcome is logged (tags;
-a run this launch created is ended FINISHED, FAILED or KILLED, a reused one is left to its
-owner).
+``mlflow.log_metric`` lands in that run. Only what the run's creation needs happens before the
+release (the slow imports usually ran earlier: ``_mlflow_store.prewarm``); the launch's params
+and MLflow's context tags (user, source, git commit) are logged after it. Reported metrics go in
+batches, at most one a second; at the end the last ones and the outcome go together (tags; a run
+this launch created is ended FINISHED, FAILED or KILLED, a reused one is left to its owner).
+
+One line says where the run is: for a tracking server, its page, as the run starts; for a store
+on disk (sqlite, file), which no server shows until someone starts ``mlflow ui``, where it was
+logged and the command that shows it, as the run ends.
 
 Nothing here may fail a launch: mlflow missing, failing or too slow turns tracking off for the
 run with one line saying so.
@@ -19,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import sys
@@ -32,12 +36,19 @@ from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import WorkerFailedError
 from sparkdist._core.placement import Placement
 from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._tracking.mlflow_store import (
+    DEFAULT_TRACKING_URI,
+    caller_context,
+    is_local_store,
+    open_client,
+    tracking_uri,
+)
 from sparkdist._tracking.progress import ProgressDisplay
+
+__all__ = ["DEFAULT_TRACKING_URI", "MlflowRun", "outcome_tags", "tracking_uri"]
 
 logger = logging.getLogger("sparkdist")
 
-#: Where runs go unless MLFLOW_TRACKING_URI (or ``mlflow.set_tracking_uri``) says otherwise.
-DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 #: How long the rendezvous waits for the MLflow run before the ranks start without tracking
 #: (at most half of start_timeout_s, so a slow MLflow never fails the start-up).
 SETUP_TIMEOUT_S = 60.0
@@ -48,31 +59,8 @@ CLOSE_TIMEOUT_S = 30.0
 #: Reported steps kept while MLflow is not ready; older ones are dropped beyond that.
 MAX_QUEUED_REPORTS = 100_000
 _MAX_METRICS_PER_BATCH = 1000  # MLflow's limit for log_batch
+_OUTCOME_METRICS = _MAX_METRICS_PER_BATCH - 100  # the outcome's tags share its batch
 _MAX_TAG_CHARS = 5000
-
-
-@dataclasses.dataclass(frozen=True)
-class _CallerContext:
-    """What the launching thread's mlflow state says (mlflow's active run is per thread)."""
-
-    run_id: str | None = None
-    tracking_uri: str | None = None
-
-
-def _caller_context() -> _CallerContext:
-    mlflow = sys.modules.get("mlflow")  # never imported here: that is the slow part
-    if mlflow is None:
-        return _CallerContext()
-    try:
-        from mlflow.tracking._tracking_service import utils
-
-        active = mlflow.active_run()
-        return _CallerContext(
-            run_id=active.info.run_id if active is not None else None,
-            tracking_uri=mlflow.get_tracking_uri() if utils._tracking_uri else None,
-        )
-    except Exception:  # noqa: BLE001 - an mlflow we do not know: its defaults then
-        return _CallerContext()
 
 
 class MlflowRun:
@@ -86,7 +74,7 @@ class MlflowRun:
         self._config = config
         self._placement = placement
         self._display = display
-        self._context = _caller_context()
+        self._context = caller_context()
         self._cond = threading.Condition()
         self._env: dict[str, str] | None = None  # None until the rendezvous may go
         self._waiting: list[RunMonitor] = []
@@ -94,6 +82,7 @@ class MlflowRun:
             maxlen=MAX_QUEUED_REPORTS
         )
         self._off = False  # set when tracking was given up for this run
+        self._metrics_failed = False  # said once
         self._closing = False
         self._outcome: tuple[BaseException | None, list[str], int] = (None, [], 0)
         self._setup_timeout_s = min(SETUP_TIMEOUT_S, config.start_timeout_s / 2)
@@ -167,12 +156,9 @@ class MlflowRun:
             if owned:
                 _quietly(client.set_terminated, run.info.run_id, "KILLED")
             return
-        self._display.announce(_announcement(uri, run.info.experiment_id, run.info.run_id))
-        if (
-            not self._config.local_mode
-            and urlparse(uri).scheme in ("sqlite", "file", "")
-            and not _spark_master_is_local()
-        ):
+        if not is_local_store(uri):  # a server shows the run as it goes: its page, now
+            self._display.announce(_run_page(uri, run.info.experiment_id, run.info.run_id))
+        if not self._config.local_mode and is_local_store(uri) and not _spark_master_is_local():
             logger.warning(
                 "sparkdist: MLflow tracks to %s on the driver; mlflow.log_* inside the ranks "
                 "only reaches it where the executors share that path. Set MLFLOW_TRACKING_URI "
@@ -184,8 +170,12 @@ class MlflowRun:
             self._log_launch(client, run, owned)
         except Exception:
             logger.warning("sparkdist: logging the launch's params to MLflow failed", exc_info=True)
-        self._pump(client, run.info.run_id)
-        self._log_outcome(client, run.info.run_id, owned)
+        last_metrics = self._pump(client, run.info.run_id)
+        if self._log_outcome(client, run.info.run_id, owned, last_metrics) and is_local_store(uri):
+            self._display.announce(
+                f"MLflow run {run.info.run_id} logged to {uri} (open it with: mlflow ui "
+                f"--backend-store-uri {uri})"
+            )
 
     def _start_run(self) -> tuple[Any, Any, bool, str] | None:
         try:
@@ -194,24 +184,18 @@ class MlflowRun:
             if exc.name == "mlflow":
                 return None
             raise  # installed but broken: say why
-        from mlflow.tracking import MlflowClient
-
         uri = tracking_uri(self._context.tracking_uri)
-        client = MlflowClient(tracking_uri=uri)
+        client = open_client(uri)  # quiet; usually opened already by the warm-up
         reused = self._context.run_id or os.environ.get("MLFLOW_RUN_ID")
         if reused:
             # Someone else's run (the notebook's active run, a job's MLFLOW_RUN_ID): logged
             # to, tagged, but left for its owner to end.
             return client, client.get_run(reused), False, uri
         experiment_id = _experiment_id(client)
-        tags = {"sparkdist.run_id": self.run_id}
-        try:
-            from mlflow.tracking.context import registry
-
-            tags = registry.resolve_tags(tags)  # user, source, git commit, as start_run does
-        except Exception:
-            logger.debug("sparkdist: resolving MLflow context tags failed", exc_info=True)
-        return client, client.create_run(experiment_id, tags=tags), True, uri
+        # MLflow's context tags (user, source, git commit: a git lookup) come after the
+        # release, with the params: nothing the ranks need waits for them.
+        run = client.create_run(experiment_id, tags={"sparkdist.run_id": self.run_id})
+        return client, run, True, uri
 
     def _release(self, env: dict[str, str]) -> bool:
         """Let every held rendezvous go with ``env`` ({}: tracking off); False if done before."""
@@ -262,16 +246,20 @@ class MlflowRun:
         if not owned:  # params are write-once: a reused run may hold them from a past launch
             have = run.data.params
             wanted = {k: v for k, v in wanted.items() if k not in have}
+        tags = {"sparkdist.run_id": self.run_id}
+        if owned:
+            tags = {**_context_tags(), **tags}
         client.log_batch(
             run.info.run_id,
             params=[Param(k, v) for k, v in wanted.items()],
-            tags=[RunTag("sparkdist.run_id", self.run_id)],
+            tags=[RunTag(k, v) for k, v in tags.items()],
         )
 
-    def _pump(self, client: Any, mlflow_run_id: str) -> None:
+    def _pump(self, client: Any, mlflow_run_id: str) -> list[Any]:
+        """Send reported metrics, a batch at most every FLUSH_INTERVAL_S, until the run ends;
+        return the last ones, which go with the outcome (one write fewer at the end)."""
         from mlflow.entities import Metric
 
-        failed = False
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._queue or self._closing)
@@ -283,21 +271,28 @@ class MlflowRun:
                 for step, timestamp, values in reports
                 for key, value in values.items()
             ]
-            for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
-                try:
-                    client.log_batch(
-                        mlflow_run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH]
-                    )
-                except Exception:
-                    if not failed:  # said once; training goes on
-                        logger.warning("sparkdist: logging metrics to MLflow failed", exc_info=True)
-                    failed = True
             if last:
-                return
+                return metrics
+            self._send_metrics(client, mlflow_run_id, metrics)
             with self._cond:  # at most one batch a second, unless the run ends
                 self._cond.wait_for(lambda: self._closing, timeout=FLUSH_INTERVAL_S)
 
-    def _log_outcome(self, client: Any, mlflow_run_id: str, owned: bool) -> None:
+    def _send_metrics(self, client: Any, mlflow_run_id: str, metrics: list[Any]) -> None:
+        for start in range(0, len(metrics), _MAX_METRICS_PER_BATCH):
+            try:
+                client.log_batch(
+                    mlflow_run_id, metrics=metrics[start : start + _MAX_METRICS_PER_BATCH]
+                )
+            except Exception:
+                if not self._metrics_failed:  # said once; training goes on
+                    logger.warning("sparkdist: logging metrics to MLflow failed", exc_info=True)
+                self._metrics_failed = True
+
+    def _log_outcome(
+        self, client: Any, mlflow_run_id: str, owned: bool, last_metrics: list[Any]
+    ) -> bool:
+        """The last metrics and the outcome tags in one batch, then the run's end; True when
+        MLflow took them."""
         from mlflow.entities import RunTag
 
         error, hosts, restarts = self._outcome
@@ -306,12 +301,19 @@ class MlflowRun:
             tags["sparkdist.hosts"] = ",".join(sorted(set(hosts)))
         if restarts:
             tags["sparkdist.restarts"] = str(restarts)
+        self._send_metrics(client, mlflow_run_id, last_metrics[_OUTCOME_METRICS:])
         try:
-            client.log_batch(mlflow_run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            client.log_batch(
+                mlflow_run_id,
+                metrics=last_metrics[:_OUTCOME_METRICS],
+                tags=[RunTag(k, v) for k, v in tags.items()],
+            )
             if owned:
                 client.set_terminated(mlflow_run_id, status)
         except Exception:
             logger.warning("sparkdist: logging the run's outcome to MLflow failed", exc_info=True)
+            return False
+        return True
 
 
 def outcome_tags(error: BaseException | None) -> tuple[str, dict[str, str]]:
@@ -333,19 +335,6 @@ def outcome_tags(error: BaseException | None) -> tuple[str, dict[str, str]]:
         if root.host:
             tags["sparkdist.root_cause_host"] = root.host
     return status, tags
-
-
-def tracking_uri(explicit: str | None = None) -> str:
-    """Where runs go: ``explicit`` (mlflow.set_tracking_uri's), else MLFLOW_TRACKING_URI, else
-    ``sqlite:///mlflow.db`` in the working directory, as an absolute path so that every rank
-    means the same file."""
-    uri = explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
-        path = uri[len(prefix) :]
-        if path and not path.startswith(":memory:"):
-            return prefix + os.path.abspath(path)
-    return uri
 
 
 def _experiment_id(client: Any) -> str:
@@ -373,17 +362,22 @@ def _experiment_id(client: Any) -> str:
         return "0"
 
 
-def _announcement(uri: str, experiment_id: str, run_id: str) -> str:
-    page = f"#/experiments/{experiment_id}/runs/{run_id}"
-    scheme = urlparse(uri).scheme
-    if scheme in ("http", "https"):
-        return f"MLflow run {run_id}: {uri.rstrip('/')}/{page}"
-    if scheme in ("sqlite", "file", ""):
-        return (
-            f"MLflow run {run_id}: http://127.0.0.1:5000/{page} (after: mlflow ui "
-            f"--backend-store-uri {uri})"
-        )
+def _run_page(uri: str, experiment_id: str, run_id: str) -> str:
+    """Where a tracking server shows the run (an http one: its page)."""
+    if urlparse(uri).scheme in ("http", "https"):
+        return f"MLflow run {run_id}: {uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
     return f"MLflow run {run_id} in experiment {experiment_id} at {uri}"
+
+
+def _context_tags() -> dict[str, str]:
+    """MLflow's context tags for a run it did not start itself (user, source, git commit)."""
+    try:
+        from mlflow.tracking.context import registry
+
+        return {str(k): str(v) for k, v in registry.resolve_tags({}).items()}
+    except Exception:
+        logger.debug("sparkdist: resolving MLflow context tags failed", exc_info=True)
+        return {}
 
 
 def _spark_master_is_local() -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -25,19 +24,12 @@ from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
 from sparkdist._engine.supervisor import RunMonitor
 from sparkdist._tracking.mlflow_run import MlflowRun
+from sparkdist._tracking.mlflow_store import TRACKING_VAR, tracking_wanted
 from sparkdist._tracking.progress import ProgressDisplay
 
+__all__ = ["TRACKING_VAR", "RunTracker", "tracking_wanted"]
+
 logger = logging.getLogger("sparkdist")
-
-#: Set to 0 (or false/no/off) to turn MLflow tracking off where ``mlflow=`` is not given.
-TRACKING_VAR = "SPARKDIST_MLFLOW"
-
-
-def tracking_wanted(flag: bool | None) -> bool:
-    """``mlflow=`` when given, else SPARKDIST_MLFLOW (default on)."""
-    if flag is not None:
-        return flag
-    return os.environ.get(TRACKING_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class RunTracker:

@@ -175,7 +175,7 @@ def test_format_checks_and_verdict():
     table = format_checks(checks, width=80)
     assert all(len(line) <= 80 for line in table.splitlines())
     assert "fix: nothing to do" in table
-    assert table.endswith("1 OK, 1 note(s), 0 problem(s): ready (NOTE rows are optional)")
+    assert table.endswith("\n\ndoctor: ready: 1 OK, 1 note(s) (optional: gpus), 0 problem(s)")
     assert not has_problem(checks)
     bad = [*checks, Check("torch", Status.PROBLEM, "missing", "pip install torch")]
     assert has_problem(bad) and "not ready" in format_checks(bad)
