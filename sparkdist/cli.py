@@ -224,6 +224,7 @@ def exit_code_of(error: BaseException) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from sparkdist._backends.session import parse_assignment
     from sparkdist._doctor.checks import run_checks
+    from sparkdist._doctor.progress import ProgressPrinter
     from sparkdist._doctor.spark import SPARK_PROBE_TIMEOUT_S
     from sparkdist._doctor.table import format_checks, has_problem
 
@@ -232,8 +233,9 @@ def _doctor(args: argparse.Namespace) -> int:
         overrides,
         args.properties_file,
         args.spark_timeout if args.spark_timeout is not None else SPARK_PROBE_TIMEOUT_S,
-    )
-    print(format_checks(checks))
+        progress=ProgressPrinter(sys.stderr),  # each check as it starts and ends: the
+    )  # session check alone can take a minute
+    print(format_checks(checks))  # the table, then the one-line verdict, on stdout
     return 1 if has_problem(checks) else 0
 
 

@@ -21,12 +21,14 @@ from sparkdist._core.config import (
     Mode,
     load_deepspeed_config,
 )
-from sparkdist._core.errors import ConfigError
+from sparkdist._core.errors import ConfigError, SparkdistError
 from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
 from sparkdist._core.result import RunResult
+from sparkdist._core.tracebacks import for_the_user
 from sparkdist._core.versions import parse_requirements
 from sparkdist._engine.launch import launch
+from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
@@ -134,6 +136,7 @@ class Distributor:
             job_size_limit_mb=job_size_limit_mb,
         )
         self.spark = spark
+        prewarm(self.config.mlflow)  # mlflow's imports overlap whatever comes before run()
 
     @property
     def num_processes(self) -> int:
@@ -182,13 +185,17 @@ class Distributor:
         **kwargs: Any,
     ) -> RunResult:
         """Like ``run``, but return a ``RunResult`` with every rank's value in rank order."""
-        return launch(
-            self.config,
-            make_job(train_object, args, kwargs),
-            session=self.spark,
-            ignore_ssl_key=self._ignore_ssl_key,
-            dataframe=spark_dataframe,
-        )
+        try:
+            return launch(
+                self.config,
+                make_job(train_object, args, kwargs),
+                session=self.spark,
+                ignore_ssl_key=self._ignore_ssl_key,
+                dataframe=spark_dataframe,
+            )
+        except SparkdistError as error:
+            # The message says what failed, the cause stays; our own frames would bury both.
+            raise for_the_user(error) from error.__cause__
 
     def _train_on_dataframe(
         self,
@@ -204,7 +211,11 @@ class Distributor:
     def _run_module(self, module: str, *argv: str) -> RunResult:
         """Run ``python -m module argv...`` on every rank (the CLI's ``-m``)."""
         job = Job(kind=TargetKind.MODULE, target=module, argv=tuple(argv))
-        return launch(self.config, job, session=self.spark, ignore_ssl_key=self._ignore_ssl_key)
+        try:
+            return launch(self.config, job, session=self.spark, ignore_ssl_key=self._ignore_ssl_key)
+        except SparkdistError as error:
+            # The message says what failed, the cause stays; our own frames would bury both.
+            raise for_the_user(error) from error.__cause__
 
 
 class TorchDistributor(Distributor):

@@ -14,7 +14,8 @@ pyspark's ``TorchDistributor`` raises in the same situations, so ``except Runtim
 written for it keeps working after the import is swapped.
 
 Every error pickles (its constructor arguments travel with it), so it survives a trip from an
-executor or a worker process back to the driver.
+executor or a worker process back to the driver. The classes present themselves as
+``sparkdist.X`` (``__module__``), where users import them from; pickles name them so too.
 """
 
 from __future__ import annotations
@@ -22,25 +23,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdist._core.tracebacks import (
+    FULL_TRACEBACK_VAR,
+    full_traceback_wanted,
+    hide_frames,
+    without_header,
+)
+
+#: A failure's message shows at most this many characters of an error message in its first line.
+_MAX_HEADLINE_CHARS = 300
+
 
 class SparkdistError(Exception):
     """Base class of every error sparkdist raises on purpose."""
+
+    __module__ = "sparkdist"
 
 
 class ConfigError(SparkdistError, ValueError):
     """An argument, a Spark conf value or the training object is not usable."""
 
+    __module__ = "sparkdist"
+
 
 class ClusterError(SparkdistError, RuntimeError):
     """The cluster (or the driver machine) cannot host the run as configured."""
+
+    __module__ = "sparkdist"
 
 
 class RendezvousError(SparkdistError):
     """A rank did not join the run before the start-up deadline."""
 
+    __module__ = "sparkdist"
+
 
 class RunTimeoutError(SparkdistError, TimeoutError):
     """The run took longer than ``timeout_s``; every rank was killed."""
+
+    __module__ = "sparkdist"
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,8 @@ class WorkerFailedError(SparkdistError, RuntimeError):
         attempts: for runs with restarts, the root cause of each earlier attempt, oldest first.
     """
 
+    __module__ = "sparkdist"
+
     def __init__(
         self,
         failures: dict[int, RankFailure],
@@ -102,21 +125,64 @@ def _describe_failures(
     root: RankFailure,
     attempts: tuple[RankFailure, ...],
 ) -> str:
-    others = sorted(rank for rank in failures if rank != root.rank)
-    lines = [f"{root.summary()} (failed first)"]
-    if others:
+    """The message: which ranks failed and how (identical errors grouped, the root cause's
+    first), the root cause's traceback without sparkdist's frames, where, then the rest."""
+    groups = _group_by_error(failures, root)
+    first_ranks, first_error = groups[0]
+    lines = [f"{_rank_list(first_ranks)} failed: {first_error}"]
+    if root.traceback:
+        shown, hidden = (
+            (root.traceback, 0) if full_traceback_wanted() else hide_frames(root.traceback)
+        )
+        lines.append(without_header(shown).rstrip("\n"))
+        if hidden:
+            lines.append(
+                f"({hidden} frame(s) of sparkdist hidden; set {FULL_TRACEBACK_VAR}=1 to see them)"
+            )
+    where = f"rank {root.rank}" + (f" on {root.host}" if root.host else "")
+    if len(first_ranks) > 1:
+        where += ", the first to fail"
+    if root.exit_code is not None:
+        where += f", exit code {root.exit_code}"
+    lines.append(f"where: {where}")
+    for ranks, error in groups[1:]:
         lines.append(
-            f"also failed (often in consequence, e.g. a peer lost in a collective): ranks "
-            f"{', '.join(map(str, others))}"
+            f"{_rank_list(ranks)} failed too (often in consequence, e.g. a peer lost in a "
+            f"collective): {error}"
         )
     for number, earlier in enumerate(attempts):
         lines.append(f"attempt {number} failed first at {earlier.summary()}")
-    if root.exit_code is not None:
-        lines.append(f"exit code: {root.exit_code}")
-    if root.traceback:
-        lines.append("traceback of the root cause:")
-        lines.append(root.traceback.rstrip("\n"))
     if root.last_lines:
         lines.append(f"last output lines of rank {root.rank}:")
         lines.extend(f"  {line}" for line in root.last_lines)
     return "\n".join(lines)
+
+
+def _error_line(failure: RankFailure) -> str:
+    """One line saying what a rank died of: "ValueError: boom", "killed by SIGKILL"."""
+    text = failure.message.strip()
+    first = text.splitlines()[0] if text else ""
+    if len(first) > _MAX_HEADLINE_CHARS:
+        first = first[: _MAX_HEADLINE_CHARS - 3] + "..."
+    if not failure.exc_type:
+        return first or "failed"
+    return f"{failure.exc_type}: {first}" if first else failure.exc_type
+
+
+def _group_by_error(
+    failures: dict[int, RankFailure], root: RankFailure
+) -> list[tuple[list[int], str]]:
+    """Ranks that failed with the same error, together (as Ray's "[Rank 0, 2]"): the root
+    cause's group first, then by lowest rank."""
+    by_error: dict[str, list[int]] = {}
+    for rank in sorted({*failures, root.rank}):
+        failure = failures.get(rank, root)
+        by_error.setdefault(_error_line(failure), []).append(rank)
+    first = _error_line(root)
+    ordered = sorted(by_error.items(), key=lambda item: (item[0] != first, item[1][0]))
+    return [(ranks, error) for error, ranks in ordered]
+
+
+def _rank_list(ranks: list[int]) -> str:
+    """Say "rank 1" or "ranks 0, 2"."""
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
