@@ -72,8 +72,10 @@ def test_worker_failed_error_message_has_root_cause_traceback_and_last_lines():
     other = RankFailure(0, "hostB", 1, "RuntimeError", "peer died")
     error = WorkerFailedError({0: other, 1: root}, root)
     text = str(error)
-    assert "rank 1 on hostA: ValueError: boom (failed first)" in text
-    assert "also failed (often in consequence, e.g. a peer lost in a collective): ranks 0" in text
+    assert text.startswith("rank 1 failed: ValueError: boom\n")
+    assert "where: rank 1 on hostA, exit code 1" in text
+    assert ("rank 0 failed too (often in consequence, e.g. a peer lost in a collective): "
+            "RuntimeError: peer died") in text
     assert "Traceback ...\nValueError: boom" in text
     assert "  step 2" in text
     assert error.root_cause is root and set(error.failures) == {0, 1}
