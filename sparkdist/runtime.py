@@ -12,12 +12,18 @@ Example:
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import os
+import pickle
 import re
+import zipfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from sparkdist._core.files import replace_atomically
 
 if TYPE_CHECKING:  # torch is only imported by the helpers that need it
     import torch
@@ -44,6 +50,8 @@ __all__ = [
     "restart_count",
     "save_checkpoint",
 ]
+
+logger = logging.getLogger("sparkdist")
 
 
 def _int_env(name: str, default: int) -> int:
@@ -248,9 +256,16 @@ def save_checkpoint(state: Any, step: int) -> str:
     Every rank must call it (it synchronises the ranks when a process group is up, so no
     rank runs ahead of a checkpoint that is not written yet); only global rank 0 writes.
     The file is ``<checkpoint_dir>/step-<step, 9 digits>.pt`` holding
-    ``{"step": step, "state": state}`` (``torch.save``), written to a temporary name and
-    renamed, so a crash never leaves a partial checkpoint behind. Gather sharded state
-    (FSDP, ZeRO-3) into ``state`` first, or save per-rank state under your own names.
+    ``{"step": step, "state": state}`` (``torch.save``), readable by its owner only (0600).
+    It is written to a fresh temporary name in the same directory, fsynced, renamed, and the
+    directory is fsynced, so a crash never leaves a partial checkpoint behind; earlier
+    checkpoints are kept (``load_checkpoint`` falls back to them). Gather sharded state
+    (FSDP, ZeRO-3) into ``state`` first, or save per-rank state under your own names. Keep
+    ``state`` to tensors, numbers, strings and plain containers (state dicts are) so that
+    ``load_checkpoint`` reads it without ``weights_only=False``.
+
+    Example:
+        >>> runtime.save_checkpoint({"model": model.state_dict()}, step)  # doctest: +SKIP
 
     Returns:
         The checkpoint's path.
@@ -264,33 +279,168 @@ def save_checkpoint(state: Any, step: int) -> str:
     path = os.path.join(directory, f"step-{int(step):09d}.pt")
     _barrier()
     if is_main_process():
-        temporary = f"{path}.tmp-{os.getpid()}"
-        torch.save({"step": int(step), "state": state}, temporary)
-        os.replace(temporary, path)
+        saved = {"step": int(step), "state": state}
+        replace_atomically(path, lambda f: torch.save(saved, f))
     _barrier()
     return path
 
 
-def load_checkpoint(map_location: Any = "cpu") -> Checkpoint | None:
-    """The latest complete checkpoint of this run's ``checkpoint_dir``, or None.
+def load_checkpoint(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
+    """The latest readable checkpoint of this run's ``checkpoint_dir``, or None if it has none.
+
+    By default only tensors, state dicts, numbers, strings and plain containers are loaded
+    (``torch.load(weights_only=True)``): a checkpoint holding anything else is refused, because
+    unpickling arbitrary objects can run arbitrary code, and anyone who can write the checkpoint
+    directory could have put such a file there. ``weights_only=False`` loads full pickles
+    (your own classes, say): pass it only if you trust the file and everyone who can write the
+    directory. Allowing just your classes, with ``torch.serialization.add_safe_globals``, keeps
+    the protection on.
+
+    A newest checkpoint that cannot be read (truncated, damaged, not written by
+    ``save_checkpoint``) is skipped with a warning naming the file, and the one before it is
+    loaded.
 
     Example:
         >>> latest = runtime.load_checkpoint()  # doctest: +SKIP
         >>> start = 0 if latest is None else latest.step  # doctest: +SKIP
+
+    Args:
+        map_location: as for ``torch.load`` (default: every tensor on the CPU).
+        weights_only: False to unpickle any object (runs whatever code the file names).
+
+    Raises:
+        pickle.UnpicklingError: with ``weights_only=True``, the newest readable checkpoint
+            holds other objects; the message names them and the two ways to load it.
+        RuntimeError: no ``checkpoint_dir``; or checkpoints are there but none can be read.
     """
     import torch
 
     directory = _require_checkpoint_dir()
     steps = sorted(
-        (int(m.group(1)), name)
-        for name in os.listdir(directory)
-        if (m := _CHECKPOINT_FILE.match(name))
+        (
+            (int(m.group(1)), name)
+            for name in os.listdir(directory)
+            if (m := _CHECKPOINT_FILE.match(name))
+        ),
+        reverse=True,
     )
-    if not steps:
-        return None
-    path = os.path.join(directory, steps[-1][1])
-    saved = torch.load(path, map_location=map_location, weights_only=False)
-    return Checkpoint(step=int(saved["step"]), state=saved["state"], path=path)
+    unreadable: list[str] = []
+    for _, name in steps:
+        path = os.path.join(directory, name)
+        try:
+            saved = torch.load(path, map_location=map_location, weights_only=weights_only)
+        except FileNotFoundError:
+            continue  # removed since it was listed
+        except Exception as exc:  # noqa: BLE001 - any failure to read means: try the one before
+            refused = _refused_globals(path) if weights_only else []
+            if refused:
+                raise pickle.UnpicklingError(_refusal(path, refused)) from exc
+            reason = _first_line(exc)
+        else:
+            if isinstance(saved, dict) and isinstance(saved.get("step"), int) and "state" in saved:
+                return Checkpoint(step=int(saved["step"]), state=saved["state"], path=path)
+            reason = 'not written by save_checkpoint (no "step" and "state")'
+        logger.warning(
+            "sparkdist: checkpoint %s cannot be read (%s); trying the checkpoint before it",
+            path,
+            reason,
+        )
+        unreadable.append(f"{path}: {reason}")
+    if unreadable:
+        raise RuntimeError(
+            f"no checkpoint in {directory} can be read: " + "; ".join(unreadable) + ". Move "
+            "these files away to start from scratch, or restore them from a copy"
+        )
+    return None
+
+
+def _refusal(path: str, refused: list[str]) -> str:
+    shown = ", ".join(refused[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
+    return (
+        f"checkpoint {path} holds objects that load_checkpoint does not unpickle by default "
+        f"({shown}): unpickling them can run any code, and anyone who can write "
+        f"{os.path.dirname(path)} could have put them there. If you trust this file and "
+        "everyone who can write that directory, call load_checkpoint(weights_only=False); or "
+        "allow just these classes with torch.serialization.add_safe_globals([...]) before "
+        "loading; or save only tensors, numbers, strings and plain containers (state_dict())"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def _refused_globals(path: str) -> list[str]:
+    """The importable names (``module.name``) that the checkpoint's complete pickles use and
+    ``torch.load(weights_only=True)`` does not allow; empty when there are none or when no
+    pickle in the file is complete (a damaged file, not a refused one).
+
+    Read without unpickling anything (``pickletools``), so a file that torch refuses can be
+    told apart from one that is cut short.
+    """
+    try:
+        if zipfile.is_zipfile(path):  # torch.save's format: the pickle is <archive>/data.pkl
+            with zipfile.ZipFile(path) as archive:
+                names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+                data = archive.read(names[0]) if names else b""
+        else:  # torch's legacy format or a bare pickle: pickles one after another
+            with open(path, "rb") as f:
+                data = f.read()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return []
+    return sorted(_globals_in_pickles(data) - _allowed_globals())
+
+
+def _globals_in_pickles(data: bytes) -> set[str]:
+    """Globals of every complete pickle at the start of ``data`` (one after another, as in
+    torch's legacy format), up to the first that does not parse."""
+    import pickletools
+
+    found: set[str] = set()
+    stream = io.BytesIO(data)
+    while stream.tell() < len(data):
+        names: set[str] = set()
+        strings: list[str] = []  # string pushes, for STACK_GLOBAL's module and name
+        memo: dict[int, str | None] = {}
+        pushed: str | None = None
+        try:
+            for op, arg, _ in pickletools.genops(stream):
+                if op.name in ("GLOBAL", "INST"):
+                    names.add(str(arg).replace(" ", "."))
+                elif op.name == "STACK_GLOBAL":
+                    names.add(".".join(strings[-2:]) if len(strings) >= 2 else "<unknown>")
+                elif op.name == "MEMOIZE":
+                    memo[len(memo)] = pushed
+                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
+                    memo[arg] = pushed
+                elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(arg, int):
+                    value = memo.get(arg)
+                    if value is not None:
+                        strings.append(value)
+                pushed = arg if isinstance(arg, str) and op.name.endswith(_STRING_OPS) else None
+                if pushed is not None:
+                    strings.append(pushed)
+        except Exception:  # noqa: BLE001 - cut short or not a pickle: its names do not count
+            break
+        found |= names
+    return found
+
+
+_STRING_OPS = ("STRING", "UNICODE", "UNICODE8")
+
+
+def _allowed_globals() -> set[str]:
+    """What ``weights_only=True`` accepts: torch's own list plus ``add_safe_globals``."""
+    try:
+        from torch import _weights_only_unpickler as unpickler
+
+        allowed = set(unpickler._get_allowed_globals())
+        allowed |= set(unpickler._get_user_allowed_globals())  # type: ignore[no-untyped-call]
+    except Exception:  # noqa: BLE001 - a torch without these: name every global
+        return set()
+    return allowed
 
 
 def _require_checkpoint_dir() -> str:

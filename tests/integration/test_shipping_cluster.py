@@ -6,12 +6,14 @@ On local-cluster[2,1,1024], whose executors do not see the driver's extra ``sys.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import textwrap
 import threading
 import venv
@@ -118,7 +120,8 @@ def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(spark_cluster,
     sc = spark_cluster.sparkContext
     name = f"sparkdist-job-{result.run_id}.pkl"
     assert any(path.endswith(name) for path in sc.listFiles)  # it went through addFile
-    served = os.path.join(sc._temp_dir, name)
+    # Served from the run's own private directory (tests/integration/test_files.py).
+    [served] = glob.glob(os.path.join(tempfile.gettempdir(), f"sparkdist_job-*/{name}"))
     assert os.path.getsize(served) == 0  # emptied: Spark cannot forget an added file
     from pyspark import SparkFiles
 
