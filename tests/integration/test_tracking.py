@@ -134,6 +134,27 @@ def test_reports_show_on_the_driver_and_reach_mlflow_once(tracked, store_uri):
     assert "\r" not in stderr  # no terminal: plain lines, no bar
 
 
+def one():
+    return 1
+
+
+def test_tracking_adds_under_a_second_to_a_warm_launch(tracked):
+    """A notebook's later launches: mlflow imported, the store open. (The first launch of a
+    process, and a new store, are measured by benchmarks/tracking.py.)"""
+
+    def seconds(tracking: bool) -> float:
+        started = time.perf_counter()
+        Distributor(2, use_gpu=False, mlflow=tracking).run(one)
+        return time.perf_counter() - started
+
+    seconds(True), seconds(False)  # the worker pool warm for both
+    on, off = [], []
+    for _ in range(3):  # interleaved: load on the box hits both alike
+        on.append(seconds(True))
+        off.append(seconds(False))
+    assert sorted(on)[1] - sorted(off)[1] < 1.0, (on, off)
+
+
 def fail_on_rank_1():
     from sparkdist import runtime
 
