@@ -368,6 +368,8 @@ class Agent:
                 f.write(spec.deepspeed_config_json)
             extra[DEEPSPEED_CONFIG_VAR] = config_path
         for seat in seats_of_node(spec.node_rank, spec.processes_per_node, spec.num_nodes):
+            if self.stop_reason is not None:
+                return  # ``stop`` came before this rank started
             env = worker_env(
                 os.environ,
                 seat,

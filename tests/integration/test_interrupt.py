@@ -8,8 +8,9 @@ left it with setsid, and a daemon whose parent already exited. Each rank records
 tree (``start_trees``); the test interrupts from a timer thread once every tree is up and
 measures, from the interrupt, how long the last recorded process lived.
 
-Bounds: 2 s in local mode (measured here: about 0.05 s), 5 s through a local[2] Spark stage
-(measured: about 0.3 s).
+Bounds: 2 s in local mode (measured on 2 cores: 0.04-0.07 s idle, up to 0.16 s at load 7), 5 s
+through a local[2] Spark stage (measured: 0.1-0.4 s idle, up to 2.0 s at load 11-14; pyspark's
+own Ctrl-C handler cancels the job first, and the driver still waits for every agent's bye).
 """
 
 from __future__ import annotations
