@@ -293,6 +293,7 @@ class ChannelServer:
     def _io_loop(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._pending: collections.OrderedDict[socket.socket, _Pending] = collections.OrderedDict()
+        self._round: list[tuple[Peer, list[protocol.Message] | None]] = []
         self._listening = False
         self._accept_again_at = 0.0
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -307,6 +308,7 @@ class ChannelServer:
                         if isinstance(key.data, Peer):
                             self._drop_peer(key.data, "an internal error")
                 self._on_timers()
+                self._hand_over()
         except Exception:
             logger.exception("sparkdist: the control channel's I/O thread failed")
         finally:
@@ -561,19 +563,31 @@ class ChannelServer:
             self._enqueue(peer, batches)  # what came before the bad frame was genuine
             self._drop_peer(peer, f"it sent a frame the channel refuses: {exc}")
             return
-        if batches and self._enqueue(peer, batches):
-            peer.paused = True  # the handlers are behind: leave the rest in TCP for now
-            self._set_interest(peer)
+        if batches:
+            self._enqueue(peer, batches)
 
-    def _enqueue(self, peer: Peer, messages: list[protocol.Message] | None) -> bool:
-        """Queue for the handlers; True when they are behind (stop reading)."""
+    def _enqueue(self, peer: Peer, messages: list[protocol.Message] | None) -> None:
+        """Keep for the handlers (None: ``on_disconnect``); handed over once per turn."""
+        self._round.append((peer, messages))
+
+    def _hand_over(self) -> None:
+        """Give this turn's messages to the dispatch thread, with one wake-up for them all;
+        when the handlers are behind, stop reading from the agents that sent them."""
+        if not self._round:
+            return
+        items, self._round = self._round, []
         with self._dispatch_cond:
             if self._closing:
-                return False
-            self._dispatch.append((peer, messages))
-            self._queued += len(messages) if messages else 0
+                return
+            self._dispatch.extend(items)
+            self._queued += sum(len(messages) for _, messages in items if messages)
             self._dispatch_cond.notify()
-            return self._queued >= DISPATCH_HIGH_WATER
+            behind = self._queued >= DISPATCH_HIGH_WATER
+        if behind:  # leave the rest in TCP for now
+            for peer, _ in items:
+                if not peer.closed and not peer.paused:
+                    peer.paused = True
+                    self._set_interest(peer)
 
     def _flush(self, peer: Peer) -> None:
         try:
@@ -640,26 +654,28 @@ class ChannelServer:
                     self._dispatch_cond.wait()
                 if self._closing:
                     return
-                peer, messages = self._dispatch.popleft()
+                items, self._dispatch = self._dispatch, collections.deque()
                 behind = self._queued >= DISPATCH_LOW_WATER
-                self._queued -= len(messages) if messages else 0
-                resume = behind and self._queued < DISPATCH_LOW_WATER
-            if resume:
+                self._queued = 0
+            if behind:  # the I/O thread may read again from the agents it paused
                 with self._lock:
                     self._resume_reads = True
                 self._wake()
-            try:
-                if messages is None:
-                    self._on_disconnect(peer)
-                    continue
-                for message in messages:
-                    if self._closing:
-                        return
-                    self._on_message(peer, message if self._typed else protocol.wire_dict(message))
-            except ChannelClosed:
-                pass  # the handler answered a peer that is gone
-            except Exception:  # a handler bug must not end the channel silently
-                logger.exception("sparkdist: control channel handler failed")
+            for peer, messages in items:
+                try:
+                    if messages is None:
+                        self._on_disconnect(peer)
+                        continue
+                    for message in messages:
+                        if self._closing:
+                            return
+                        self._on_message(
+                            peer, message if self._typed else protocol.wire_dict(message)
+                        )
+                except ChannelClosed:
+                    pass  # the handler answered a peer that is gone
+                except Exception:  # a handler bug must not end the channel silently
+                    logger.exception("sparkdist: control channel handler failed")
 
     def _warn_once(self, key: str, text: str, *args: Any) -> None:
         if key in self._warned:

@@ -43,6 +43,10 @@ POST_QUEUE = 10_000
 POST_QUEUE_BYTES = 4 << 20
 #: A frame is filled up to this many bytes of messages (one larger message goes alone).
 BATCH_BYTES = 256 << 10
+#: Droppable messages wait up to this long for company, so that a busy agent sends a few
+#: frames of many lines rather than a frame (and a wake-up on both ends) per line. Control
+#: messages never wait, and take the waiting lines with them.
+LINGER_S = 0.02
 
 
 class ChannelClosed(ConnectionError):
@@ -103,6 +107,8 @@ class ChannelClient:
         self._posted_bytes = 0
         self._out = bytearray()
         self._idle = False  # the I/O thread waits with nothing to send: wake it on new work
+        self._wake_pending = False
+        self._posted_since = 0.0  # when the droppable queue last became non-empty
         self._closing_at: float | None = None  # set by close: send what is queued until then
         self.closed = False
         #: Droppable messages dropped because the queue was full or the connection gone.
@@ -136,7 +142,7 @@ class ChannelClient:
             if self.closed or self._closing_at is not None:
                 raise ChannelClosed(f"the channel to the driver at {self.address} is closed")
             self._control.append(data)
-            self._kick()
+            self._kick(urgent=True)
 
     def post(self, message: protocol.Message | Mapping[str, Any]) -> bool:
         """Queue a droppable message (an output line, a report); False when it was dropped
@@ -155,6 +161,8 @@ class ChannelClient:
             ):
                 self.dropped += 1
                 return False
+            if not self._posted:
+                self._posted_since = time.monotonic()
             self._posted.append(data)
             self._posted_bytes += len(data)
             self._kick()
@@ -177,7 +185,7 @@ class ChannelClient:
         with self._cond:
             if self._closing_at is None:
                 self._closing_at = time.monotonic() + flush_s
-            self._kick(force=True)
+            self._kick(urgent=True)
         if self._thread is not threading.current_thread():
             self._thread.join(flush_s + 1.0)
 
@@ -186,14 +194,27 @@ class ChannelClient:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
 
-    def _kick(self, force: bool = False) -> None:
-        """Wake the I/O thread if it sleeps with nothing to send (caller holds the lock)."""
-        if self._idle or force:
+    def _kick(self, urgent: bool = False) -> None:
+        """Wake the I/O thread when it sleeps with nothing to send, or, ``urgent``, when it
+        lingers too (caller holds the lock)."""
+        if (self._idle or urgent) and not self._wake_pending:
             self._idle = False
+            self._wake_pending = True
             try:
                 self._wake_w.send(b"\0")
             except OSError:
                 pass
+
+    def _due(self, now: float) -> bool:
+        """Whether queued messages should go now rather than linger (caller holds the lock)."""
+        return bool(
+            self._control
+            or self._closing_at is not None
+            or (
+                self._posted
+                and (now - self._posted_since >= LINGER_S or self._posted_bytes >= BATCH_BYTES)
+            )
+        )
 
     # -- the I/O thread ------------------------------------------------------------------------
 
@@ -210,25 +231,28 @@ class ChannelClient:
                 if self._out:
                     self._write()
                 with self._cond:
+                    now = time.monotonic()
                     if self._closing_at is not None and (
-                        not (self._control or self._posted or self._out)
-                        or time.monotonic() >= self._closing_at
+                        not (self._control or self._posted or self._out) or now >= self._closing_at
                     ):
                         return
                     want_write = bool(self._out)
-                    queued = bool(self._control or self._posted)
-                    if queued and not want_write:
+                    if self._due(now) and not want_write:
                         continue  # the socket took it all: fill the next frame now
-                    self._idle = not (want_write or queued)
+                    self._idle = not (want_write or self._control or self._posted)
+                    timeout = None
+                    if self._posted and not want_write:  # linger until the oldest is due
+                        timeout = max(0.0, self._posted_since + LINGER_S - now)
+                    if self._closing_at is not None:
+                        timeout = min(timeout or LINGER_S, max(0.0, self._closing_at - now))
                 if want_write != writing:
                     writing = want_write
                     events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
                     selector.modify(self._sock, events, self._sock)
-                timeout = None
-                if self._closing_at is not None:
-                    timeout = max(0.0, self._closing_at - time.monotonic())
                 for key, mask in selector.select(timeout):
                     if key.data is None:
+                        with self._cond:
+                            self._wake_pending = False
                         _drain(self._wake_r)
                     elif mask & selectors.EVENT_READ:
                         try:
@@ -273,6 +297,8 @@ class ChannelClient:
         batch: list[bytes] = []
         size = 0
         with self._cond:
+            if not self._due(time.monotonic()):
+                return
             for queue in (self._control, self._posted):
                 while queue and (not batch or size + len(queue[0]) + 1 <= BATCH_BYTES):
                     data = queue.popleft()

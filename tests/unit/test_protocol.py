@@ -155,6 +155,27 @@ def test_decoded_records_encode_again(value):
     assert decode(encode(message)) == message
 
 
+log_like = st.builds(
+    lambda fields: {"t": "log", **fields},
+    st.dictionaries(
+        st.sampled_from(["rank", "stream", "line", "x"]),
+        json_values | ranks | st.sampled_from(["stdout", "stderr"]) | text,
+    ),
+)
+
+
+@given(log_like)
+def test_the_fast_path_for_lines_agrees_with_the_general_one(wire):
+    kind = protocol._KINDS["log"]
+    fast = protocol._fast_log(wire)
+    try:
+        general = protocol.Log(**protocol._check_fields(kind, wire))
+    except ProtocolError:
+        assert fast is None
+    else:
+        assert fast is None or (fast == general and type(fast.stream) is protocol.Stream)
+
+
 # -- refusals, one per rule --------------------------------------------------------------------
 
 DEEP = 100_000
