@@ -32,9 +32,17 @@ from typing import BinaryIO
 PRIVATE_DIR_MODE = 0o700
 PRIVATE_FILE_MODE = 0o600
 
-#: Owned run directories are ``sparkdist_<kind>-<host tag>-<pid>-<run id>-<random>``. Not
-#: ``sparkdist-*``: that prefix marks an agent's run directory, removed with its run.
-_OWNED_DIR = re.compile(r"^sparkdist_(?P<kind>[a-z]+)-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-")
+#: The kind of an agent's run directory (``agent_run_dir_prefix``); every other kind names
+#: ``make_owned_dir`` directories.
+AGENT_RUN_KIND = "run"
+
+
+def _owned_dir_pattern(kind: str) -> re.Pattern[str]:
+    if kind == AGENT_RUN_KIND:  # sparkdist-<run id>-<node rank>-<host tag>-<pid>-<random>
+        return re.compile(r"^sparkdist-[0-9a-f]+-\d+-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-")
+    # sparkdist_<kind>-<host tag>-<pid>-<run id>-<random>: not "sparkdist-*", which marks an
+    # agent's run directory (removed with its run; tests look for leftovers by that prefix).
+    return re.compile(rf"^sparkdist_{re.escape(kind)}-(?P<host>[0-9a-f]{{8}})-(?P<pid>\d+)-")
 
 
 def make_private_dirs(path: str) -> None:
@@ -126,14 +134,25 @@ def make_owned_dir(kind: str, run_id: str, root: str | None = None) -> str:
         run_id: the run's id, for people reading the temp directory.
         root: where to create it (default: ``tempfile.gettempdir()``, which honours TMPDIR).
     """
-    if not kind.isalpha() or not kind.islower():
-        raise ValueError(f"kind={kind!r} must be lower-case letters")
-    prefix = f"sparkdist_{kind}-{_host_tag()}-{os.getpid()}-{run_id}-"
-    return tempfile.mkdtemp(prefix=prefix, dir=root)
+    if not kind.isalpha() or not kind.islower() or kind == AGENT_RUN_KIND:
+        raise ValueError(f"kind={kind!r} must be lower-case letters, not {AGENT_RUN_KIND!r}")
+    return tempfile.mkdtemp(prefix=f"sparkdist_{kind}-{owner_tag()}-{run_id}-", dir=root)
+
+
+def agent_run_dir_prefix(run_id: str, node_rank: int) -> str:
+    """The ``mkdtemp`` prefix of an agent's run directory: ``sparkdist-<run id>-<node rank>-``
+    as before, then this process's ``owner_tag`` (so ``sweep_dead_owners("run")`` finds it)."""
+    return f"sparkdist-{run_id}-{node_rank}-{owner_tag()}-"
+
+
+def owner_tag() -> str:
+    """``<host tag>-<pid>`` of this process, as directory names carry it."""
+    return f"{_host_tag()}-{os.getpid()}"
 
 
 def sweep_dead_owners(kind: str, root: str | None = None) -> list[str]:
-    """Remove ``kind`` directories (``make_owned_dir``) left by processes that are gone.
+    """Remove ``kind`` directories (``make_owned_dir``; ``"run"``: ``agent_run_dir_prefix``)
+    left by processes that are gone.
 
     Only directories of this host, owned by this user, that are real directories (not links),
     and whose owner pid no longer exists are removed; a pid reused since keeps its directory
@@ -147,11 +166,11 @@ def sweep_dead_owners(kind: str, root: str | None = None) -> list[str]:
         names = os.listdir(root)
     except OSError:
         return []
-    host, uid = _host_tag(), _uid()
+    pattern, host, uid = _owned_dir_pattern(kind), _host_tag(), _uid()
     removed = []
     for name in names:
-        match = _OWNED_DIR.match(name)
-        if match is None or match["kind"] != kind or match["host"] != host:
+        match = pattern.match(name)
+        if match is None or match["host"] != host:
             continue
         path = os.path.join(root, name)
         try:

@@ -15,6 +15,7 @@ import pickle
 import stat
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -272,7 +273,7 @@ def test_sweep_removes_only_our_dead_owners_directories(tmp_path):
         leftover(f"sparkdist_job-{host}-{os.getpid()}-abc-r2"),  # owner alive
         leftover(f"sparkdist_job-{'0' * 8 if host != '0' * 8 else '1' * 8}-{dead}-abc-r3"),
         leftover(f"sparkdist_pool-{host}-{dead}-abc-r4"),  # another kind
-        leftover(f"sparkdist-abc-0-{dead}-r5"),  # an agent's run directory: not this sweep's
+        leftover(f"sparkdist-abc-0-{host}-{dead}-r5"),  # an agent's run dir: kind "run"
     ]
     (root / f"sparkdist_job-{host}-{dead}-abc-file").write_text("")  # a file, not a dir
     (root / f"sparkdist_job-{host}-{dead}-abc-link").symlink_to(kept[0])
@@ -288,11 +289,32 @@ def test_sweep_removes_only_our_dead_owners_directories(tmp_path):
     assert all(os.path.lexists(p) for p in kept)
 
 
+def test_sweep_of_agent_run_directories(tmp_path):
+    host, dead = files._host_tag(), dead_pid()
+    names = {
+        f"sparkdist-0a1b2c3d4e5f-1-{host}-{dead}-x1": False,  # owner gone: removed
+        f"sparkdist-0a1b2c3d4e5f-1-{host}-{os.getpid()}-x2": True,  # owner alive
+        "sparkdist-0a1b2c3d4e5f-1-abc_x3": True,  # named before owners were recorded
+        "sparkdist-tests-abc": True,  # a test session's temp dir, not a run's
+        f"sparkdist_job-{host}-{dead}-abc-x4": True,  # another kind
+    }
+    for name in names:
+        (tmp_path / name).mkdir()
+    files.sweep_dead_owners(files.AGENT_RUN_KIND, str(tmp_path))
+    assert {name: (tmp_path / name).exists() for name in names} == names
+    prefix = files.agent_run_dir_prefix("0a1b2c3d4e5f", 1)
+    assert prefix == f"sparkdist-0a1b2c3d4e5f-1-{host}-{os.getpid()}-"
+    live = tempfile.mkdtemp(prefix=prefix, dir=tmp_path)
+    assert files.sweep_dead_owners(files.AGENT_RUN_KIND, str(tmp_path)) == []
+    assert os.path.isdir(live)
+
+
 def test_owned_directories_are_private_and_named_for_the_sweep(tmp_path):
     directory = files.make_owned_dir("job", "abc123", str(tmp_path))
     name = os.path.basename(directory)
     assert name.startswith(f"sparkdist_job-{files._host_tag()}-{os.getpid()}-abc123-")
     assert mode_of(directory) == 0o700
     assert files.sweep_dead_owners("job", str(tmp_path)) == []  # we are alive
-    with pytest.raises(ValueError, match="lower-case letters"):
-        files.make_owned_dir("Job-1", "abc123", str(tmp_path))
+    for kind in ("Job-1", "run"):
+        with pytest.raises(ValueError, match="lower-case letters"):
+            files.make_owned_dir(kind, "abc123", str(tmp_path))
