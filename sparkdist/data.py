@@ -24,13 +24,15 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from sparkdist._core.env import PARTITION_FILE_VAR, ROWS_PER_RANK_VAR
+
 __all__ = ["PartitionDataset", "partition_dataset", "partition_table", "rows_per_rank"]
 
 _POLICIES = ("drop", "wrap", None)
 
 
 def _partition_file() -> str:
-    path = os.environ.get("SPARKDIST_PARTITION_FILE")
+    path = os.environ.get(PARTITION_FILE_VAR)
     if not path:
         raise RuntimeError(
             "this rank has no DataFrame partition: pass spark_dataframe=df to "
@@ -49,7 +51,7 @@ def partition_table() -> Any:
 
 def rows_per_rank() -> list[int]:
     """Every rank's row count, indexed by global rank (the same list on every rank)."""
-    raw = os.environ.get("SPARKDIST_ROWS_PER_RANK")
+    raw = os.environ.get(ROWS_PER_RANK_VAR)
     if raw is None:
         _partition_file()  # raises the explanatory error
         raise RuntimeError("row counts are missing from this rank's environment")

@@ -23,6 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparkdist._core.env import CHECKPOINT_DIR_VAR, DEEPSPEED_CONFIG_VAR, MODE_VAR, USE_GPU_VAR
 from sparkdist._core.files import replace_atomically
 
 if TYPE_CHECKING:  # torch is only imported by the helpers that need it
@@ -94,11 +95,11 @@ def is_main_process() -> bool:
 
 def mode() -> str:
     """The launch mode of this run: "ddp", "fsdp" or "deepspeed" ("ddp" outside a rank)."""
-    return os.environ.get("SPARKDIST_MODE", "ddp")
+    return os.environ.get(MODE_VAR, "ddp")
 
 
 def _uses_cuda() -> bool:
-    if os.environ.get("SPARKDIST_USE_GPU") == "0":
+    if os.environ.get(USE_GPU_VAR) == "0":
         return False
     import torch
 
@@ -158,7 +159,7 @@ def device_mesh(replicas: int = 1) -> DeviceMesh:
 
 def deepspeed_config_path() -> str | None:
     """Path of the DeepSpeed config file shipped to this rank (mode "deepspeed"), or None."""
-    return os.environ.get("SPARKDIST_DEEPSPEED_CONFIG") or None
+    return os.environ.get(DEEPSPEED_CONFIG_VAR) or None
 
 
 def deepspeed_config() -> dict[str, Any] | None:
@@ -247,7 +248,7 @@ class Checkpoint:
 
 def checkpoint_dir() -> str | None:
     """The run's checkpoint directory (``checkpoint_dir=`` of the launcher), or None."""
-    return os.environ.get("SPARKDIST_CHECKPOINT_DIR") or None
+    return os.environ.get(CHECKPOINT_DIR_VAR) or None
 
 
 def save_checkpoint(state: Any, step: int) -> str:

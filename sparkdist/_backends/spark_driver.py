@@ -21,6 +21,7 @@ from sparkdist._backends.session import active_session as active_session
 from sparkdist._backends.session import get_or_create_session as get_or_create_session
 from sparkdist._backends.session import is_connect
 from sparkdist._core.config import DEFAULT_START_TIMEOUT_S
+from sparkdist._core.env import DRIVER_HOST_VAR
 from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import check_barrier_slots, estimate_barrier_slots
 
@@ -74,7 +75,7 @@ def driver_host(session: Any) -> str:
     """
     if not is_connect(session):
         return str(session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
-    chosen = os.environ.get("SPARKDIST_DRIVER_HOST") or os.environ.get("SPARK_LOCAL_IP")
+    chosen = os.environ.get(DRIVER_HOST_VAR) or os.environ.get("SPARK_LOCAL_IP")
     if chosen:
         return chosen
     try:

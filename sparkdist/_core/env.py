@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sparkdist._core.tracebacks import FULL_TRACEBACK_VAR as FULL_TRACEBACK_VAR
+
 #: Variables sparkdist sets for its own worker bootstrap; user code should use ``runtime``.
 RUN_ID_VAR = "SPARKDIST_RUN_ID"
 USE_GPU_VAR = "SPARKDIST_USE_GPU"
@@ -38,8 +40,8 @@ ZYGOTE_VAR = "SPARKDIST_ZYGOTE"
 TRACKING_VAR = "SPARKDIST_MLFLOW"
 #: Seconds between two plain progress lines.
 PROGRESS_INTERVAL_VAR = "SPARKDIST_PROGRESS_INTERVAL_S"
-#: ``1`` keeps every traceback frame (sparkdist's own included).
-FULL_TRACEBACK_VAR = "SPARKDIST_FULL_TRACEBACK"
+#: ``1`` keeps every traceback frame (sparkdist's own included); defined where it is read
+#: (``_core.tracebacks`` comes before this module: ``errors`` imports it).
 #: The pytest session a run belongs to (the plugin's leak check counts only its own).
 PYTEST_SESSION_VAR = "SPARKDIST_PYTEST_SESSION"
 
@@ -47,6 +49,8 @@ PYTEST_SESSION_VAR = "SPARKDIST_PYTEST_SESSION"
 MLFLOW_RUN_ID_VAR = "MLFLOW_RUN_ID"
 MLFLOW_EXPERIMENT_ID_VAR = "MLFLOW_EXPERIMENT_ID"
 MLFLOW_TRACKING_URI_VAR = "MLFLOW_TRACKING_URI"
+#: Read on the driver only: the experiment a new MLflow run goes to.
+MLFLOW_EXPERIMENT_NAME_VAR = "MLFLOW_EXPERIMENT_NAME"
 
 #: The only variables the driver may add to the ranks' environment with the rendezvous (the
 #: control channel refuses any other: a message can never set ``LD_PRELOAD`` or ``MASTER_ADDR``).

@@ -29,16 +29,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdist._backends.session import create_session
-from sparkdist._core.env import RUN_ID_VAR
+from sparkdist._core.env import PYTEST_SESSION_VAR, RUN_ID_VAR, ZYGOTE_VAR
 from sparkdist._node.gpus import visible_gpus
 from sparkdist._node.zygote import RANK_NAME_PREFIX, SPARE_NAME
 
 #: Environment variable naming the pytest session a run belongs to. Set in the pytest process
 #: (and passed to every rank), so the leak check never counts another session's processes.
-SESSION_MARKER_VAR = "SPARKDIST_PYTEST_SESSION"
-#: Set in the environment of a warm pool's zygote (``_pool``); its parked children are named
-#: ``SPARE_NAME`` until they become ranks.
-ZYGOTE_VAR = "SPARKDIST_ZYGOTE"
+SESSION_MARKER_VAR = PYTEST_SESSION_VAR
+#: ``ZYGOTE_VAR`` is set in the environment of a warm pool's zygote (``_pool``); its parked
+#: children are named ``SPARE_NAME`` until they become ranks.
 
 DEFAULT_MASTER = "local[2]"
 CLUSTER_MASTER = "local-cluster[2,1,1024]"

@@ -26,9 +26,11 @@ import threading
 from collections.abc import Mapping
 from typing import IO
 
+from sparkdist._core.env import WORKER_POOL_VAR, ZYGOTE_VAR
+
 logger = logging.getLogger("sparkdist")
 
-POOL_VAR = "SPARKDIST_WORKER_POOL"
+POOL_VAR = WORKER_POOL_VAR
 #: How long a zygote may take to import torch and start listening.
 ZYGOTE_START_TIMEOUT_S = 120.0
 #: Environment variables whose change makes a zygote stale (they shape imports).
@@ -141,7 +143,7 @@ class _Zygote:
         self.directory = tempfile.mkdtemp(prefix="sparkdist_pool-")
         self.socket_path = os.path.join(self.directory, "zygote.sock")
         env = dict(os.environ)
-        env["SPARKDIST_ZYGOTE"] = "1"
+        env[ZYGOTE_VAR] = "1"
         self.process = subprocess.Popen(
             [
                 sys.executable,

@@ -33,7 +33,7 @@ import weakref
 from types import TracebackType
 from typing import Any, BinaryIO
 
-from sparkdist._core.env import RUN_ID_VAR
+from sparkdist._core.env import DEEPSPEED_CONFIG_VAR, HOST_VAR, MODE_VAR, RUN_ID_VAR, USE_GPU_VAR
 from sparkdist._core.errors import RankFailure
 
 JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
@@ -129,7 +129,7 @@ def main() -> None:
         _bind_device(env)
         _prepare_mode(env)
         link.send({"t": "ready"})
-        if env.get("SPARKDIST_MODE") == "deepspeed":
+        if env.get(MODE_VAR) == "deepspeed":
             from sparkdist._node.torch_extensions import prepare_deepspeed_rank
 
             prepare_deepspeed_rank(env)  # no wait on a dead build's lock, no op build in the run
@@ -182,7 +182,7 @@ def _load_job(path: str) -> Any:
 
 def _bind_device(env: os._Environ[str]) -> None:
     """Bind this rank to its GPU (LOCAL_RANK among the visible ones) before user code runs."""
-    if env.get("SPARKDIST_USE_GPU") != "1":
+    if env.get(USE_GPU_VAR) != "1":
         return
     import torch
 
@@ -192,7 +192,7 @@ def _bind_device(env: os._Environ[str]) -> None:
 
 def _prepare_mode(env: os._Environ[str]) -> None:
     """Check, in the rank's own interpreter, that the mode's machinery is there."""
-    mode = env.get("SPARKDIST_MODE")
+    mode = env.get(MODE_VAR)
     if mode == "fsdp":
         try:
             from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -208,9 +208,9 @@ def _prepare_mode(env: os._Environ[str]) -> None:
 
 def _deepspeed_argv(env: os._Environ[str]) -> list[str]:
     """What pyspark's DeepspeedTorchDistributor appends to a script's arguments."""
-    if env.get("SPARKDIST_MODE") != "deepspeed":
+    if env.get(MODE_VAR) != "deepspeed":
         return []
-    path = env.get("SPARKDIST_DEEPSPEED_CONFIG")
+    path = env.get(DEEPSPEED_CONFIG_VAR)
     return ["--deepspeed", "--deepspeed_config", path] if path else ["--deepspeed"]
 
 
@@ -261,7 +261,7 @@ def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) ->
         text = "".join(traceback.format_exception(exc_type, exc, _user_frames(exc.__traceback__)))
     failure = RankFailure(
         rank=rank,
-        host=os.environ.get("SPARKDIST_HOST", ""),
+        host=os.environ.get(HOST_VAR, ""),
         exit_code=code,
         exc_type=type_name,
         message=message,

@@ -33,6 +33,12 @@ from typing import Any
 from urllib.parse import urlparse
 
 from sparkdist._core.config import LaunchConfig
+from sparkdist._core.env import (
+    MLFLOW_EXPERIMENT_ID_VAR,
+    MLFLOW_EXPERIMENT_NAME_VAR,
+    MLFLOW_RUN_ID_VAR,
+    MLFLOW_TRACKING_URI_VAR,
+)
 from sparkdist._core.errors import WorkerFailedError
 from sparkdist._core.placement import Placement
 from sparkdist._engine.supervisor import RunMonitor
@@ -148,9 +154,9 @@ class MlflowRun:
             return
         client, run, owned, uri = started
         env = {
-            "MLFLOW_RUN_ID": run.info.run_id,
-            "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
-            "MLFLOW_TRACKING_URI": uri,
+            MLFLOW_RUN_ID_VAR: run.info.run_id,
+            MLFLOW_EXPERIMENT_ID_VAR: run.info.experiment_id,
+            MLFLOW_TRACKING_URI_VAR: uri,
         }
         if not self._release(env):  # given up meanwhile: nobody knows this run
             if owned:
@@ -186,7 +192,7 @@ class MlflowRun:
             raise  # installed but broken: say why
         uri = tracking_uri(self._context.tracking_uri)
         client = open_client(uri)  # quiet; usually opened already by the warm-up
-        reused = self._context.run_id or os.environ.get("MLFLOW_RUN_ID")
+        reused = self._context.run_id or os.environ.get(MLFLOW_RUN_ID_VAR)
         if reused:
             # Someone else's run (the notebook's active run, a job's MLFLOW_RUN_ID): logged
             # to, tagged, but left for its owner to end.
@@ -206,7 +212,7 @@ class MlflowRun:
             self._off = not env
             if self._off:
                 self._queue.clear()
-            self.mlflow_run_id = env.get("MLFLOW_RUN_ID")
+            self.mlflow_run_id = env.get(MLFLOW_RUN_ID_VAR)
             waiting, self._waiting = self._waiting, []
         self._timer.cancel()
         for monitor in waiting:
@@ -346,14 +352,14 @@ def _experiment_id(client: Any) -> str:
             return str(fluent._active_experiment_id)
     except Exception:  # private in mlflow: the environment then
         logger.debug("sparkdist: reading mlflow's active experiment failed", exc_info=True)
-    name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+    name = os.environ.get(MLFLOW_EXPERIMENT_NAME_VAR)
     if name:
         found = client.get_experiment_by_name(name)
         return (
             str(found.experiment_id) if found is not None else str(client.create_experiment(name))
         )
-    if os.environ.get("MLFLOW_EXPERIMENT_ID"):
-        return os.environ["MLFLOW_EXPERIMENT_ID"]
+    if os.environ.get(MLFLOW_EXPERIMENT_ID_VAR):
+        return os.environ[MLFLOW_EXPERIMENT_ID_VAR]
     try:
         from mlflow.tracking.default_experiment import registry
 

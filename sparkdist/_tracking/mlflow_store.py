@@ -29,12 +29,12 @@ from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlparse
 
-from sparkdist._core.env import RUN_ID_VAR
+from sparkdist._core.env import MLFLOW_TRACKING_URI_VAR, RUN_ID_VAR
+from sparkdist._core.env import TRACKING_VAR as TRACKING_VAR
 
 logger = logging.getLogger("sparkdist")
 
 #: Set to 0 (or false/no/off) to turn MLflow tracking off where ``mlflow=`` is not given.
-TRACKING_VAR = "SPARKDIST_MLFLOW"
 #: Where runs go unless MLFLOW_TRACKING_URI (or ``mlflow.set_tracking_uri``) says otherwise.
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 #: Loggers that talk while a store opens (children follow their level).
@@ -59,7 +59,7 @@ def tracking_uri(explicit: str | None = None) -> str:
     """Where runs go: ``explicit`` (mlflow.set_tracking_uri's), else MLFLOW_TRACKING_URI, else
     ``sqlite:///mlflow.db`` in the working directory, as an absolute path so that every rank
     means the same file."""
-    uri = explicit or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    uri = explicit or os.environ.get(MLFLOW_TRACKING_URI_VAR) or DEFAULT_TRACKING_URI
     prefix = "sqlite:///"
     if uri.startswith(prefix) and not uri.startswith(prefix + "/"):
         path = uri[len(prefix) :]

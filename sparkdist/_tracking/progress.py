@@ -22,6 +22,8 @@ import time
 from collections.abc import Mapping
 from typing import IO, Any
 
+from sparkdist._core.env import PROGRESS_INTERVAL_VAR
+
 #: Seconds between two plain progress lines (overridable with SPARKDIST_PROGRESS_INTERVAL_S).
 LINE_INTERVAL_S = 10.0
 #: Seconds between two redraws of a bar.
@@ -206,7 +208,7 @@ def _columns(stream: IO[str]) -> int:
 
 def _line_interval() -> float:
     try:
-        return max(0.0, float(os.environ.get("SPARKDIST_PROGRESS_INTERVAL_S", LINE_INTERVAL_S)))
+        return max(0.0, float(os.environ.get(PROGRESS_INTERVAL_VAR, LINE_INTERVAL_S)))
     except ValueError:
         return LINE_INTERVAL_S
 
