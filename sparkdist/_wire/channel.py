@@ -162,14 +162,13 @@ class Peer:
 class _Pending:
     """A connection in the handshake."""
 
-    __slots__ = ("sock", "accepted", "buffer", "nonce_c", "nonce_s")
+    __slots__ = ("sock", "accepted", "buffer", "handshake")
 
-    def __init__(self, sock: socket.socket, accepted: float) -> None:
+    def __init__(self, sock: socket.socket, accepted: float, key: bytes) -> None:
         self.sock = sock
         self.accepted = accepted
         self.buffer = bytearray()
-        self.nonce_c: str | None = None
-        self.nonce_s = ""
+        self.handshake = frames.ServerHandshake(key)
 
 
 class ChannelServer:
@@ -427,7 +426,7 @@ class ChannelServer:
             self.stats["accepted"] += 1
             try:
                 sock.setblocking(False)
-                pending = _Pending(sock, time.monotonic())
+                pending = _Pending(sock, time.monotonic(), self._key)
                 self._selector.register(sock, selectors.EVENT_READ, pending)
             except (OSError, ValueError):
                 sock.close()
@@ -450,48 +449,27 @@ class ChannelServer:
             return
         pending.buffer += data
         try:
-            while True:
-                body = frames.split_frame(pending.buffer, MAX_HANDSHAKE_BYTES)
-                if body is None:
+            while (body := frames.split_frame(pending.buffer, MAX_HANDSHAKE_BYTES)) is not None:
+                outcome = pending.handshake.step(protocol.decode(body, Route.HANDSHAKE))
+                if isinstance(outcome, frames.Sealer):
+                    if pending.buffer:  # nothing may come before the welcome
+                        raise frames.HandshakeRefused("malformed", "sent too much too early")
+                    self._promote(pending, outcome)
                     return
-                if self._handshake_step(pending, protocol.decode(body, Route.HANDSHAKE)):
+                if not self._send_small(pending.sock, outcome):
+                    self._drop_pending(pending)
                     return
+        except frames.HandshakeRefused as exc:
+            self.stats[exc.kind] += 1
+            if exc.kind == "version":
+                self._warn_once("version", "sparkdist: an agent %s", exc)
+            else:
+                self._note_stranger(str(exc))
+            self._drop_pending(pending)
         except (ProtocolError, frames.FrameError) as exc:
             self.stats["malformed"] += 1
             self._note_stranger(f"sent a malformed handshake ({exc})")
             self._drop_pending(pending)
-
-    def _handshake_step(self, pending: _Pending, message: protocol.Message) -> bool:
-        """Advance ``pending``; True when it left the handshake (promoted or dropped)."""
-        if pending.nonce_c is None and isinstance(message, protocol.ClientHello):
-            if message.version != protocol.PROTOCOL_VERSION:
-                self._warn_once(
-                    "version",
-                    "sparkdist: an agent speaking control protocol %s connected (the driver "
-                    "speaks %s): the driver and the executors run different sparkdist versions; "
-                    "install the same version on both",
-                    message.version,
-                    protocol.PROTOCOL_VERSION,
-                )
-                self._drop_pending(pending)
-                return True
-            pending.nonce_c, pending.nonce_s = message.nonce, frames.new_nonce()
-            mac = frames.proof(self._key, b"server", message.nonce, pending.nonce_s)
-            reply = frames.plain_frame(protocol.encode(protocol.ServerProof(pending.nonce_s, mac)))
-            if not self._send_small(pending.sock, reply):
-                self._drop_pending(pending)
-                return True
-            return False
-        if pending.nonce_c is not None and isinstance(message, protocol.ClientProof):
-            expected = frames.proof(self._key, b"client", pending.nonce_s, pending.nonce_c)
-            if not frames.proof_matches(expected, message.mac) or pending.buffer:
-                self.stats["refused"] += 1
-                self._note_stranger("did not prove it knows the run's secret")
-                self._drop_pending(pending)
-                return True
-            self._promote(pending)
-            return True
-        raise ProtocolError(f"a {message.kind!r} message out of turn")
 
     def _send_small(self, sock: socket.socket, data: bytes) -> bool:
         # A fresh connection's send buffer takes a handshake frame whole; one that does not
@@ -501,11 +479,9 @@ class ChannelServer:
         except OSError:
             return False
 
-    def _promote(self, pending: _Pending) -> None:
-        assert pending.nonce_c is not None
+    def _promote(self, pending: _Pending, sealer: frames.Sealer) -> None:
         del self._pending[pending.sock]
-        key = frames.session_key(self._key, pending.nonce_c, pending.nonce_s)
-        peer = Peer(self, pending.sock, frames.Sealer(key, frames.TO_AGENT))
+        peer = Peer(self, pending.sock, sealer)
         peer.events = selectors.EVENT_READ
         self._selector.modify(pending.sock, selectors.EVENT_READ, peer)
         try:

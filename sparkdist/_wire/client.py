@@ -377,23 +377,14 @@ def _handshake(
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         buffer = bytearray()
-        nonce_c = frames.new_nonce()
-        hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, nonce_c)
-        _send_before(sock, frames.plain_frame(protocol.encode(hello)), deadline)
+        handshake = frames.ClientHandshake(key)
+        _send_before(sock, handshake.hello(), deadline)
         body = _read_frame(sock, buffer, MAX_HANDSHAKE_BYTES, deadline)
-        proof = protocol.decode(body, Route.HANDSHAKE)
-        if not isinstance(proof, protocol.ServerProof) or not frames.proof_matches(
-            frames.proof(key, b"server", nonce_c, proof.nonce), proof.mac
-        ):
-            raise ChannelClosed(
-                f"the process at {address} did not prove it knows the run's secret (a stale "
-                "driver's port reused, or a stranger): refused"
-            )
-        mine = frames.proof(key, b"client", proof.nonce, nonce_c)
-        _send_before(
-            sock, frames.plain_frame(protocol.encode(protocol.ClientProof(mine))), deadline
-        )
-        sealer = frames.Sealer(frames.session_key(key, nonce_c, proof.nonce), frames.TO_DRIVER)
+        try:
+            mine, sealer = handshake.step(protocol.decode(body, Route.HANDSHAKE))
+        except frames.HandshakeRefused as exc:
+            raise ChannelClosed(f"the process at {address} {exc}: refused") from None
+        _send_before(sock, mine, deadline)
         body = _read_frame(sock, buffer, frames.MAX_SEALED_BYTES, deadline)
         welcome = protocol.decode_batch(sealer.open(body), Route.TO_AGENT)
         if welcome[:1] != [protocol.Welcome()]:

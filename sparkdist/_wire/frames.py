@@ -20,6 +20,8 @@ the driver's fresh nonce, and its role label keeps it from ever passing for a dr
 A relay that passes the handshake through learns nothing it can use: every later frame needs
 the key.
 
+``ServerHandshake`` and ``ClientHandshake`` are the two sides as pure state machines.
+
 Non-goals: sockets and deadlines (``channel``, ``client``), message contents (``protocol``).
 """
 
@@ -30,6 +32,7 @@ import hmac
 import os
 import struct
 
+from sparkdist._wire import protocol
 from sparkdist._wire.protocol import MAX_FRAME_BYTES, MAX_HANDSHAKE_BYTES, NONCE_BYTES
 
 HEADER = struct.Struct(">I")
@@ -44,6 +47,19 @@ _LABEL = b"sparkdist-channel/2 "
 
 class FrameError(ValueError):
     """A frame that breaks the channel's rules (its size, its tag); the connection ends."""
+
+
+class HandshakeRefused(ValueError):
+    """The other side broke the handshake; the connection ends.
+
+    Attributes:
+        kind: ``"refused"`` (no proof of the secret), ``"version"`` (another protocol
+            version) or ``"malformed"`` (out of turn).
+    """
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
 
 
 def new_secret() -> str:
@@ -157,3 +173,68 @@ class Sealer:
         outer = self._outer.copy()
         outer.update(inner.digest())
         return outer.digest()
+
+
+class ServerHandshake:
+    """The driver's side of one agent's handshake, fed the agent's messages in order."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._nonce_c: str | None = None
+        self._nonce_s = ""
+
+    def step(self, message: protocol.Message) -> bytes | Sealer:
+        """The frame that answers ``message``; once the agent proved itself, the connection's
+        ``Sealer`` instead.
+
+        Raises:
+            HandshakeRefused: a wrong proof, another version, or a message out of turn.
+        """
+        if self._nonce_c is None and isinstance(message, protocol.ClientHello):
+            if message.version != protocol.PROTOCOL_VERSION:
+                raise HandshakeRefused(
+                    "version",
+                    f"speaks control protocol {message.version}, the driver "
+                    f"{protocol.PROTOCOL_VERSION}: the driver and the executors run different "
+                    "sparkdist versions; install the same version on both",
+                )
+            self._nonce_c, self._nonce_s = message.nonce, new_nonce()
+            mac = proof(self._key, b"server", message.nonce, self._nonce_s)
+            return plain_frame(protocol.encode(protocol.ServerProof(self._nonce_s, mac)))
+        if self._nonce_c is not None and isinstance(message, protocol.ClientProof):
+            expected = proof(self._key, b"client", self._nonce_s, self._nonce_c)
+            if not proof_matches(expected, message.mac):
+                raise HandshakeRefused("refused", "did not prove it knows the run's secret")
+            return Sealer(session_key(self._key, self._nonce_c, self._nonce_s), TO_AGENT)
+        raise HandshakeRefused("malformed", f"sent a {message.kind!r} message out of turn")
+
+
+class ClientHandshake:
+    """An agent's side of the handshake: it answers only a driver that proved itself."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._nonce_c = new_nonce()
+
+    def hello(self) -> bytes:
+        """The first frame."""
+        hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, self._nonce_c)
+        return plain_frame(protocol.encode(hello))
+
+    def step(self, message: protocol.Message) -> tuple[bytes, Sealer]:
+        """The agent's proof for the driver's ``message``, and the connection's ``Sealer``.
+
+        Raises:
+            HandshakeRefused: ``message`` is not a valid proof of the secret over our nonce.
+        """
+        if not isinstance(message, protocol.ServerProof) or not proof_matches(
+            proof(self._key, b"server", self._nonce_c, message.nonce), message.mac
+        ):
+            raise HandshakeRefused(
+                "refused",
+                "did not prove it knows the run's secret (a stale driver's port reused, or a "
+                "stranger)",
+            )
+        mine = proof(self._key, b"client", message.nonce, self._nonce_c)
+        sealer = Sealer(session_key(self._key, self._nonce_c, message.nonce), TO_DRIVER)
+        return plain_frame(protocol.encode(protocol.ClientProof(mine))), sealer

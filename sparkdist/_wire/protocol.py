@@ -21,12 +21,27 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeAlias
 
 from sparkdist._core.env import RENDEZVOUS_ENV_VARS
+from sparkdist._wire.fields import (
+    Check,
+    boolean,
+    hex_digits,
+    integer,
+    mapping,
+    member,
+    number,
+    one_of,
+    optional,
+    rank_key,
+    rows,
+    show,
+    text,
+)
+from sparkdist._wire.fields import ProtocolError as ProtocolError
 
 #: The handshake's protocol version: a driver and an agent of different versions never pair.
 PROTOCOL_VERSION = 2
@@ -51,12 +66,6 @@ MAX_ROWS = 4096
 MAX_ENV_VALUE_CHARS = 256 * 1024
 #: Nonces and MACs are 32 bytes, sent as 64 hex digits.
 NONCE_BYTES = 32
-_INT64 = 1 << 63
-
-
-class ProtocolError(ValueError):
-    """Bytes or a record that are not a valid message of this protocol (the only error
-    ``decode`` and ``encode`` raise)."""
 
 
 class Route(enum.Enum):
@@ -73,122 +82,14 @@ class Stream(str, enum.Enum):
     STDERR = "stderr"
 
 
-# -- field checks: (wire value, where) -> typed value, or ProtocolError --------------------------
-
-Check = Callable[[Any, str], Any]
-
-
-def _int(lo: int = -_INT64, hi: int = _INT64 - 1) -> Check:
-    def check(value: Any, where: str) -> int:
-        if type(value) is not int or not lo <= value <= hi:
-            raise ProtocolError(f"{where} must be an integer in [{lo}, {hi}], got {_show(value)}")
-        return value
-
-    return check
-
-
-def _float(value: Any, where: str) -> float:
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise ProtocolError(f"{where} must be a finite number, got {_show(value)}")
-    return float(value)
-
-
-def _bool(value: Any, where: str) -> bool:
-    if type(value) is not bool:
-        raise ProtocolError(f"{where} must be true or false, got {_show(value)}")
-    return value
-
-
-def _str(max_chars: int) -> Check:
-    def check(value: Any, where: str) -> str:
-        if type(value) is not str:
-            raise ProtocolError(f"{where} must be a string, got {_show(value)}")
-        if len(value) > max_chars:
-            raise ProtocolError(
-                f"{where} has {len(value)} characters, over the limit of {max_chars}"
-            )
-        return value
-
-    return check
-
-
-def _hex(value: Any, where: str) -> str:
-    if (
-        type(value) is not str
-        or len(value) != 2 * NONCE_BYTES
-        or value.strip("0123456789abcdef") != ""
-    ):
-        raise ProtocolError(f"{where} must be {2 * NONCE_BYTES} lowercase hex digits")
-    return value
-
-
-def _optional(check: Check) -> Check:
-    def optional(value: Any, where: str) -> Any:
-        return None if value is None else check(value, where)
-
-    return optional
-
-
-def _stream(value: Any, where: str) -> Stream:
-    if value == "stdout":
-        return Stream.STDOUT
-    if value == "stderr":
-        return Stream.STDERR
-    raise ProtocolError(f"{where} must be 'stdout' or 'stderr', got {_show(value)}")
-
-
-def _mapping(key: Check, value: Check, max_items: int) -> Check:
-    def check(raw: Any, where: str) -> dict[Any, Any]:
-        if type(raw) is not dict:
-            raise ProtocolError(f"{where} must be an object, got {_show(raw)}")
-        if len(raw) > max_items:
-            raise ProtocolError(f"{where} has {len(raw)} entries, over the limit of {max_items}")
-        return {key(k, where): value(v, where) for k, v in raw.items()}
-
-    return check
-
-
-def _rank_key(value: Any, where: str) -> int:
-    # JSON object keys are strings: a rank travels as its decimal digits.
-    if type(value) is not str or not value.isascii() or not value.isdigit() or len(value) > 9:
-        raise ProtocolError(f"{where} must be a rank (decimal digits), got {_show(value)}")
-    return int(value)
-
-
-def _env_key(value: Any, where: str) -> str:
-    if value not in RENDEZVOUS_ENV_VARS:
-        raise ProtocolError(
-            f"{where} is {_show(value)}, not a variable the rendezvous may set "
-            f"({', '.join(sorted(RENDEZVOUS_ENV_VARS))})"
-        )
-    return str(value)
-
-
-def _rows(value: Any, where: str) -> tuple[tuple[str, str, str, str], ...]:
-    # Tuples only ever come from a sender's own records; JSON has lists.
-    if type(value) not in (list, tuple) or len(value) > MAX_ROWS:
-        raise ProtocolError(f"{where} must be a list of at most {MAX_ROWS} rows")
-    cell = _str(MAX_NAME_CHARS)
-    rows = []
-    for i, row in enumerate(value):
-        if type(row) not in (list, tuple) or len(row) != 4:
-            raise ProtocolError(f"{where}[{i}] must be a list of 4 strings")
-        rows.append(
-            (cell(row[0], where), cell(row[1], where), cell(row[2], where), cell(row[3], where))
-        )
-    return tuple(rows)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
-
-
-_NODE = _int(0, (1 << 31) - 1)
-_RANK = _int(0, (1 << 31) - 1)
-_PORT = _int(0, 65535)
-_HOST = _str(MAX_NAME_CHARS)
-_REASON = _str(MAX_REASON_CHARS)
+_NODE = integer(0, (1 << 31) - 1)
+_RANK = integer(0, (1 << 31) - 1)
+_PORT = integer(0, 65535)
+_HOST = text(MAX_NAME_CHARS)
+_REASON = text(MAX_REASON_CHARS)
+_HEX = hex_digits(2 * NONCE_BYTES)
+_STREAM = one_of({"stdout": Stream.STDOUT, "stderr": Stream.STDERR})
+_ENV_KEY = member(RENDEZVOUS_ENV_VARS, "a variable the rendezvous may set")
 
 
 def _clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
@@ -419,37 +320,41 @@ def _kinds() -> dict[str, _Kind]:
             frozenset({to_driver}),
             (
                 ("rank", _RANK, True),
-                ("exit_code", _optional(_int()), True),
-                ("time", _float, True),
-                ("hung", _bool, False),
-                ("last_beat", _optional(_float), False),
+                ("exit_code", optional(integer()), True),
+                ("time", number, True),
+                ("hung", boolean, False),
+                ("last_beat", optional(number), False),
             ),
         ),
-        (Rows, frozenset({to_driver}), (("counts", _mapping(_rank_key, _int(0), MAX_ROWS), True),)),
+        (
+            Rows,
+            frozenset({to_driver}),
+            (("counts", mapping(rank_key, integer(0), MAX_ROWS), True),),
+        ),
         (
             Refused,
             frozenset({to_driver}),
             (
                 ("node", _NODE, True),
                 ("host", _HOST, True),
-                ("reason", _optional(_REASON), True),
-                ("rows", _rows, False),
+                ("reason", optional(_REASON), True),
+                ("rows", rows(MAX_ROWS, MAX_NAME_CHARS), False),
             ),
         ),
-        (Bye, frozenset({to_driver}), (("node", _NODE, True), ("dropped", _int(0), False))),
+        (Bye, frozenset({to_driver}), (("node", _NODE, True), ("dropped", integer(0), False))),
         (
             Log,
             frozenset({to_driver}),
-            (("rank", _RANK, True), ("stream", _stream, True), ("line", _str(MAX_LOG_CHARS), True)),
+            (("rank", _RANK, True), ("stream", _STREAM, True), ("line", text(MAX_LOG_CHARS), True)),
         ),
         (
             Report,
             frozenset({to_driver, worker}),
             (
                 ("rank", _RANK, True),
-                ("step", _optional(_int()), False),
-                ("total", _optional(_int()), False),
-                ("metrics", _mapping(_str(MAX_METRIC_NAME_CHARS), _float, MAX_METRICS), False),
+                ("step", optional(integer()), False),
+                ("total", optional(integer()), False),
+                ("metrics", mapping(text(MAX_METRIC_NAME_CHARS), number, MAX_METRICS), False),
             ),
         ),
         (Beat, frozenset({worker}), (("rank", _RANK, True),)),
@@ -460,7 +365,7 @@ def _kinds() -> dict[str, _Kind]:
                 ("master_port", _PORT, True),
                 (
                     "env",
-                    _mapping(_env_key, _str(MAX_ENV_VALUE_CHARS), len(RENDEZVOUS_ENV_VARS)),
+                    mapping(_ENV_KEY, text(MAX_ENV_VALUE_CHARS), len(RENDEZVOUS_ENV_VARS)),
                     False,
                 ),
             ),
@@ -469,10 +374,10 @@ def _kinds() -> dict[str, _Kind]:
         (
             ClientHello,
             frozenset({hs}),
-            (("version", _int(0, 1 << 16), True), ("nonce", _hex, True)),
+            (("version", integer(0, 1 << 16), True), ("nonce", _HEX, True)),
         ),
-        (ServerProof, frozenset({hs}), (("nonce", _hex, True), ("mac", _hex, True))),
-        (ClientProof, frozenset({hs}), (("mac", _hex, True),)),
+        (ServerProof, frozenset({hs}), (("nonce", _HEX, True), ("mac", _HEX, True))),
+        (ClientProof, frozenset({hs}), (("mac", _HEX, True),)),
         (Welcome, frozenset({to_agent}), ()),
     ]
     wire_forms: dict[type[Any], Callable[[Any], dict[str, Any]]] = {
@@ -563,18 +468,18 @@ def decode_batch(data: bytes, route: Route | None = None) -> list[Message]:
     """The messages of one frame's payload (``encode_batch``); ``ProtocolError`` otherwise."""
     items = _parse(data, MAX_FRAME_BYTES)
     if type(items) is not list:
-        raise ProtocolError(f"a frame must hold a list of messages, got {_show(items)}")
+        raise ProtocolError(f"a frame must hold a list of messages, got {show(items)}")
     return [from_wire(item, route) for item in items]
 
 
 def from_wire(wire: Any, route: Route | None = None) -> Message:
     """The message a parsed JSON object stands for; ``ProtocolError`` for anything else."""
     if type(wire) is not dict:
-        raise ProtocolError(f"a message must be a JSON object, got {_show(wire)}")
+        raise ProtocolError(f"a message must be a JSON object, got {show(wire)}")
     tag = wire.get("t")
     kind = _KINDS.get(tag) if type(tag) is str else None
     if kind is None:
-        raise ProtocolError(f"unknown message kind {_show(tag)}")
+        raise ProtocolError(f"unknown message kind {show(tag)}")
     if route is not None and route not in kind.routes:
         raise ProtocolError(f"a {tag!r} message may not travel {route.value}")
     if tag == "log":

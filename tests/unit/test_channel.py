@@ -329,3 +329,88 @@ def test_frame_tags_are_hmac_sha256_over_direction_sequence_and_payload(key_byte
     reflected = reflector.seal(b"[2]")  # the right sequence number, the wrong direction
     with pytest.raises(frames.FrameError, match="integrity"):
         receiver.open(reflected[4:])  # the receiver's own direction, sent back at it
+
+
+# -- the handshake as pure state machines --------------------------------------------------------
+
+
+def _server_reply(server: frames.ServerHandshake, message) -> protocol.Message:
+    reply = server.step(message)
+    assert isinstance(reply, bytes)
+    return protocol.decode(reply[4:])
+
+
+def test_the_handshake_agrees_on_a_key_both_ways():
+    key = frames.secret_key(new_secret())
+    server, client = frames.ServerHandshake(key), frames.ClientHandshake(key)
+    proof = _server_reply(server, protocol.decode(client.hello()[4:]))
+    mine, client_sealer = client.step(proof)
+    server_sealer = server.step(protocol.decode(mine[4:]))
+    assert isinstance(server_sealer, frames.Sealer)
+    assert server_sealer.open(client_sealer.seal(b"[1]")[4:]) == b"[1]"
+    assert client_sealer.open(server_sealer.seal(b"[2]")[4:]) == b"[2]"
+
+
+def _refusal(steps) -> str:
+    with pytest.raises(frames.HandshakeRefused) as refused:
+        steps()
+    return refused.value.kind
+
+
+def test_the_driver_refuses_every_broken_handshake():
+    key = frames.secret_key(new_secret())
+    hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, frames.new_nonce())
+
+    def fresh() -> frames.ServerHandshake:
+        return frames.ServerHandshake(key)
+
+    def proof_first():
+        fresh().step(protocol.ClientProof("a" * 64))
+
+    def hello_twice():
+        server = fresh()
+        server.step(hello)
+        server.step(hello)
+
+    def wrong_mac():
+        server = fresh()
+        server.step(hello)
+        server.step(protocol.ClientProof("0" * 64))
+
+    def reflected():  # the driver's own proof sent back as the agent's
+        server = fresh()
+        proof = _server_reply(server, hello)
+        server.step(protocol.ClientProof(proof.mac))
+
+    def other_secret():
+        server = fresh()
+        proof = _server_reply(server, hello)
+        stranger = frames.secret_key(new_secret())
+        mac = frames.proof(stranger, b"client", proof.nonce, hello.nonce)
+        server.step(protocol.ClientProof(mac))
+
+    def old_version():
+        fresh().step(protocol.ClientHello(1, frames.new_nonce()))
+
+    assert _refusal(proof_first) == "malformed"
+    assert _refusal(hello_twice) == "malformed"
+    assert _refusal(wrong_mac) == "refused"
+    assert _refusal(reflected) == "refused"
+    assert _refusal(other_secret) == "refused"
+    assert _refusal(old_version) == "version"
+
+
+def test_the_agent_proves_nothing_to_a_driver_that_did_not_prove_itself():
+    key = frames.secret_key(new_secret())
+    # A proof recorded from another connection (another agent nonce) is worthless here.
+    other = frames.ClientHandshake(key)
+    recorded = _server_reply(frames.ServerHandshake(key), protocol.decode(other.hello()[4:]))
+    for message in [
+        recorded,
+        protocol.ServerProof(frames.new_nonce(), "0" * 64),
+        protocol.Welcome(),
+        protocol.ClientHello(protocol.PROTOCOL_VERSION, frames.new_nonce()),
+    ]:
+        client = frames.ClientHandshake(key)
+        client.hello()
+        assert _refusal(lambda: client.step(message)) == "refused"  # noqa: B023
