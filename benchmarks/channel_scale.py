@@ -21,7 +21,9 @@ what the supervisor's cheapest path does (count, no printing). For each N (``--n
 
 Usage::
 
+    python benchmarks/channel_scale.py --quick              # N = 64, 1 s of logging
     python benchmarks/channel_scale.py                      # N = 64, 256, 1024
+    python benchmarks/channel_scale.py --rate 20000         # paced: 20k lines/s in all
     python benchmarks/channel_scale.py --nodes 64 --log-s 2
     python benchmarks/channel_scale.py --json out.json
 
@@ -490,7 +492,10 @@ def main() -> None:
         "agent process multiplexing them",
     )
     parser.add_argument("--json", help="write the records here too")
+    parser.add_argument("--quick", action="store_true", help="64 nodes, 1 s of logging")
     args = parser.parse_args()
+    if args.quick:
+        args.nodes, args.log_s = [64], 1.0
     hard = raise_fd_limit()
     print(f"RLIMIT_NOFILE {hard}; load before: {os.getloadavg()}", file=sys.stderr)
     records = []
