@@ -24,7 +24,8 @@ from sparkdist._backends.job_file import executor_path
 from sparkdist._backends.session import is_connect
 from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import cuda_visible_devices
-from sparkdist._node.agent import AgentSpec, run_agent
+from sparkdist._node.agent import run_agent
+from sparkdist._node.spec import AgentSpec
 
 
 class BarrierStage:

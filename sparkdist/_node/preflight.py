@@ -1,0 +1,40 @@
+"""What a node checks before it starts any rank: its GPUs are of the requested type, and its
+packages meet the run's version requirements (``_core.versions``). A node that fails either
+starts nothing and says why (a "refused" message for the driver).
+
+Non-goals: sending the refusal (``driver_link``); finding GPUs (``gpus``); the driver-side
+checks done before any task starts.
+"""
+
+from __future__ import annotations
+
+from sparkdist._core.versions import unmet_requirements
+from sparkdist._node.gpus import gpu_type_mismatch, gpus_at
+from sparkdist._node.spec import AgentSpec
+from sparkdist._wire.channel import Message
+
+
+def refusal_of(spec: AgentSpec) -> Message | None:
+    """The "refused" message for the driver when this node cannot run ``spec``, else None."""
+    reason = _gpu_type_problem(spec)
+    unmet = unmet_requirements(spec.requirements, spec.host)
+    if reason is None and not unmet:
+        return None
+    return {
+        "t": "refused",
+        "node": spec.node_rank,
+        "host": spec.host,
+        "reason": reason,
+        "rows": unmet,
+    }
+
+
+def _gpu_type_problem(spec: AgentSpec) -> str | None:
+    if spec.gpu_type is None:
+        return None
+    addresses = (spec.gpu_addresses or "").split(",") if spec.gpu_addresses else []
+    return gpu_type_mismatch(
+        spec.gpu_type,
+        gpus_at(addresses),
+        f"host {spec.host} (GPU addresses {addresses or 'none'})",
+    )

@@ -1,0 +1,182 @@
+"""One rank's process as its agent sees it: starting it, the handle kept on it, ending it.
+
+A rank starts from the warm pool or cold (``pool.start_rank``) with its torchrun environment
+and two private pipes: commands to it and notes from it (``worker``). Ending a rank ends its
+process group, every descendant (one that called setsid included) and every process carrying
+the rank's tag in its environment (``reaper``): SIGTERM, then SIGKILL after a short grace.
+A rank is named by pid and start time, so a reused pid is never signalled.
+
+Non-goals: what a rank does once started (``worker``); reading its output (``output``);
+deciding when to end it (``agent``, ``watchdog``).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO
+
+from sparkdist._core.env import (
+    DEEPSPEED_CONFIG_VAR,
+    PARTITION_FILE_VAR,
+    RUN_ID_VAR,
+    RankSeat,
+    worker_env,
+)
+from sparkdist._node import worker as _worker
+from sparkdist._node.output import LAST_LINES
+from sparkdist._node.partition import partition_path
+from sparkdist._node.pool import RankProcess, start_rank
+from sparkdist._node.reaper import end_processes, start_time
+from sparkdist._node.spec import AgentSpec
+from sparkdist._shipping.code import put_code_first
+from sparkdist._wire.channel import Message
+
+logger = logging.getLogger("sparkdist")
+
+
+class RankHandle:
+    """One spawned rank and what its agent knows of it (fields shared with the agent's threads)."""
+
+    def __init__(
+        self, seat: RankSeat, proc: RankProcess, ctrl_in: IO[bytes], notes: IO[bytes]
+    ) -> None:
+        self.seat = seat
+        self.proc = proc
+        # With the pid, names the process: a pid reused after it ended is never signalled.
+        self.proc_started = start_time(proc.pid)
+        self.ctrl_in = ctrl_in  # our write end of its command pipe; open until it exits
+        self.notes = notes  # the read end of its notes pipe
+        self.started = time.monotonic()
+        self.ended: float | None = None
+        self.ended_at = 0.0
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
+        self.threads: list[threading.Thread] = []
+        self.killed = False
+        self.last_beat: float | None = None  # monotonic; set when it joins, then per beat
+        self.last_beat_wall = 0.0
+        self.hung_for_s: float | None = None
+
+    def tell(self, message: Message) -> None:
+        """Send ``message`` down the rank's command pipe (nothing if it already exited)."""
+        try:
+            self.ctrl_in.write(json.dumps(message).encode() + b"\n")
+            self.ctrl_in.flush()
+        except (OSError, ValueError):
+            pass  # it already exited; its waiter reports that
+
+    def heard_from(self) -> None:
+        """Record a sign of life (joined, a beat, a report) for the hang watchdog."""
+        self.last_beat, self.last_beat_wall = time.monotonic(), time.time()
+
+    def was_stopped(self, code: int | None) -> bool:
+        """Whether ``code`` is our stop (SIGTERM, or the SIGKILL after it), not its own death."""
+        return self.killed and code in (-signal.SIGTERM, -signal.SIGKILL)
+
+
+def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
+    """What every rank of the node adds to its environment; writes the DeepSpeed config (if
+    any) into ``run_dir`` for them."""
+    extra = dict(spec.extra_env)
+    if spec.deepspeed_config_json is not None:
+        config_path = os.path.join(run_dir, "deepspeed_config.json")
+        with open(config_path, "w", encoding="utf-8") as f:
+            f.write(spec.deepspeed_config_json)
+        extra[DEEPSPEED_CONFIG_VAR] = config_path
+    return extra
+
+
+def spawn_rank(
+    spec: AgentSpec,
+    seat: RankSeat,
+    *,
+    run_dir: str,
+    job_file: str,
+    code_dir: str | None,
+    extra_env: Mapping[str, str],
+    expects_data: bool,
+) -> RankHandle:
+    """Start the rank at ``seat`` (warm pool or cold) and return its handle."""
+    env = worker_env(
+        os.environ,
+        seat,
+        master_addr=spec.master_addr,
+        run_id=spec.run_id,
+        restart_count=spec.restart_count,
+        max_restarts=spec.max_restarts,
+        cuda_visible_devices=spec.gpu_addresses,
+        mode=spec.mode,
+        host=spec.host,
+        extra=extra_env,
+    )
+    cmd_read, cmd_write = os.pipe()
+    note_read, note_write = os.pipe()
+    env[_worker.CTRL_IN_VAR] = str(cmd_read)
+    env[_worker.CTRL_OUT_VAR] = str(note_write)
+    env[_worker.JOB_FILE_VAR] = job_file
+    env[_worker.RESULT_DIR_VAR] = run_dir
+    env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
+    put_code_first(env, code_dir)
+    if expects_data:
+        env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)
+    try:
+        proc = start_rank(env, (cmd_read, note_write))
+    except BaseException:
+        for fd in (cmd_write, note_read):
+            os.close(fd)
+        raise
+    finally:
+        # The rank holds its own copies of these ends now (or never will).
+        os.close(cmd_read)
+        os.close(note_write)
+    return RankHandle(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
+
+
+def node_tag(spec: AgentSpec, rank: int | None = None) -> dict[str, str]:
+    """What this node's (or one rank's) processes carry in their environment."""
+    tag = {
+        RUN_ID_VAR: spec.run_id,
+        "GROUP_RANK": str(spec.node_rank),
+        "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
+    }
+    if rank is not None:
+        tag["RANK"] = str(rank)
+    return tag
+
+
+def wait_for_exit(
+    rank: RankHandle, spec: AgentSpec, on_exit: Callable[[RankHandle, int], None]
+) -> None:
+    """Wait for the rank to exit, call ``on_exit(rank, code)``, then end its strays.
+
+    Runs on a thread of its own per rank.
+    """
+    code = rank.proc.wait()
+    rank.ended = time.monotonic()
+    rank.ended_at = time.time()
+    on_exit(rank, code)
+    # Strays the rank left behind (its children, daemons it started) go with it; here, not
+    # on the watching thread, so their grace never delays a failure report.
+    end_processes({rank.proc.pid: rank.proc_started}, tag=node_tag(spec, rank.seat.rank))
+
+
+def end_ranks(ranks: Sequence[RankHandle], spec: AgentSpec) -> None:
+    """End ``ranks`` and everything they started (``reaper``); return once they are gone."""
+    for rank in ranks:
+        if rank.ended is None:
+            rank.killed = True
+    if not ranks:
+        return
+    survivors = end_processes({r.proc.pid: r.proc_started for r in ranks}, tag=node_tag(spec))
+    if survivors:
+        logger.warning(
+            "sparkdist: process(es) %s of run %s outlived SIGKILL (stuck in the kernel?)",
+            survivors,
+            spec.run_id,
+        )

@@ -1,0 +1,74 @@
+"""The hang watchdog: a joined rank that stays silent (no heartbeat, no report) for
+``heartbeat_timeout_s`` is hung. Its Python stacks are dumped into its own output (the rank
+handles ``worker.STACK_DUMP_SIGNAL``), the driver is told, and the agent ends the node.
+
+Heartbeats themselves are recorded as the rank's notes arrive (``output.pump_notes``); a rank
+that has not joined yet is never hung (the rendezvous has its own timeout).
+
+Non-goals: ending ranks (``ranks``); deciding what the run does next (the driver).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection
+
+from sparkdist._node import worker as _worker
+from sparkdist._node.outbox import Outbox
+from sparkdist._node.ranks import RankHandle
+
+#: How long a hung rank gets to print its stack dump before it is killed.
+STACK_DUMP_GRACE_S = 0.5
+
+
+def next_check_in_s(ranks: Collection[RankHandle], timeout_s: float | None) -> float | None:
+    """How long until a live rank could first pass ``timeout_s`` in silence (None: never)."""
+    if timeout_s is None:
+        return None
+    beats = [r.last_beat for r in ranks if r.last_beat is not None and r.ended is None]
+    if not beats:
+        return min(timeout_s, 1.0)  # nobody joined yet: look again soon
+    return max(0.0, min(beats) + timeout_s - time.monotonic())
+
+
+def check_heartbeats(
+    ranks: Collection[RankHandle], timeout_s: float | None, outbox: Outbox
+) -> str | None:
+    """Declare silent ranks hung: dump their stacks into their output and report them.
+
+    Returns:
+        Why the node must stop (the agent then ends every rank), or None while all is well.
+    """
+    if timeout_s is None:
+        return None
+    now = time.monotonic()
+    silent = [
+        r
+        for r in ranks
+        if r.ended is None and r.last_beat is not None and now - r.last_beat >= timeout_s
+    ]
+    if not silent:
+        return None
+    for rank in silent:
+        rank.hung_for_s = now - (rank.last_beat or now)
+        try:
+            os.kill(rank.proc.pid, _worker.STACK_DUMP_SIGNAL)
+        except ProcessLookupError:
+            pass
+    # Give the dumps a moment to reach the output before the ranks are killed; the oldest
+    # silence is the likeliest culprit (the others wait for it in a collective).
+    time.sleep(STACK_DUMP_GRACE_S)
+    for rank in sorted(silent, key=lambda r: r.last_beat_wall):
+        outbox.control(
+            {
+                "t": "failed",
+                "rank": rank.seat.rank,
+                "exit_code": None,
+                "time": time.time(),
+                "hung": True,
+                "last_beat": rank.last_beat_wall,
+            }
+        )
+    names = ", ".join(str(r.seat.rank) for r in silent)
+    return f"rank(s) {names} sent no heartbeat for {timeout_s} s"
