@@ -68,11 +68,6 @@ def child(variant: str, runs: int, gap_s: float) -> None:
 
 def phases(scratch: str) -> None:
     """Each phase of MLflow's set-up timed alone, in this (fresh) process."""
-    try:
-        from sparkdist._tracking.mlflow_store import open_client
-    except ImportError:  # a sparkdist from before the warm-up (to measure a baseline)
-        from mlflow.tracking import MlflowClient as open_client
-
     laps: dict[str, float] = {}
     started = time.perf_counter()
 
@@ -88,6 +83,10 @@ def phases(scratch: str) -> None:
     import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
 
     lap("import the sqlite store's modules")
+    try:
+        from sparkdist._tracking.mlflow_store import open_client
+    except ImportError:  # a sparkdist from before the warm-up (to measure a baseline)
+        from mlflow.tracking import MlflowClient as open_client
     client = open_client(f"sqlite:///{os.path.join(scratch, 'kept.db')}")
     lap("open an existing store")
     open_client(f"sqlite:///{os.path.join(scratch, f'phases-{time.monotonic_ns()}.db')}")
