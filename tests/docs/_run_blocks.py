@@ -35,6 +35,9 @@ def start_spark() -> object:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+        # A short-lived JVM on 2 cores: the C1 compiler alone and the serial collector halve
+        # its CPU time (measured: 21 -> 12 s to start and run one small barrier stage).
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
