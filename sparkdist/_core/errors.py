@@ -4,6 +4,7 @@
 
     SparkdistError
     ├── ConfigError (also ValueError)        bad arguments, bad Spark conf, unpicklable function
+    │   └── ConfigTypeError (also TypeError) an argument of the wrong type
     ├── ClusterError (also RuntimeError)     too few slots, no GPUs, SSL on, dynamic allocation on
     ├── RendezvousError                      a rank did not join in time
     ├── WorkerFailedError (also RuntimeError) one or more ranks failed
@@ -46,6 +47,11 @@ class ConfigError(SparkdistError, ValueError):
     __module__ = "sparkdist"
 
 
+class ConfigTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (``env='X=1'``, ``checkpoint_dir=123``, an ``async def``
+    training function): a ``ConfigError`` that ``except TypeError`` catches too."""
+
+
 class ClusterError(SparkdistError, RuntimeError):
     """The cluster (or the driver machine) cannot host the run as configured."""
 
@@ -77,6 +83,8 @@ class RankFailure:
         traceback: the formatted traceback text ("" when there is none).
         last_lines: the last lines the rank printed, oldest first.
         exception_bytes: the exception pickled with cloudpickle, when it could be.
+        failed_at: wall-clock time taken inside the rank when its exception reached the top
+            (None when it died without one); orders failures to find the root cause.
     """
 
     rank: int
@@ -87,6 +95,7 @@ class RankFailure:
     traceback: str = ""
     last_lines: tuple[str, ...] = ()
     exception_bytes: bytes | None = None
+    failed_at: float | None = None
 
     def summary(self) -> str:
         """One line: what failed, where."""

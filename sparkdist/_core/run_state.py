@@ -86,10 +86,12 @@ class RankFailed:
     Attributes:
         rank: the global rank.
         hung_since: for a hang, the wall-clock time of its last heartbeat.
+        seen_at: wall-clock time its agent saw it fail (kept in case its details are lost).
     """
 
     rank: int
     hung_since: float | None = None
+    seen_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -238,6 +240,7 @@ class RunState:
         self.rendezvous_sent = False
         self.failed_ranks: list[int] = []  # in the order the driver heard of them
         self.hung_since: dict[int, float] = {}
+        self.failure_seen_at: dict[int, float] = {}
         self.refusals: list[str] = []
         self.lost_nodes: list[int] = []
         self.done_nodes: set[int] = set()
@@ -247,6 +250,7 @@ class RunState:
         self.stop_reason: str | None = None
         self.stage_cancelled = False
         self.agents_ended = False
+        self.agents_failed = False
         self._failure_deadline: float | None = None
         self._now = started_at
 
@@ -282,7 +286,7 @@ class RunState:
 
     def expected_goodbyes(self) -> int:
         """How many nodes' goodbyes to wait for once the agents ended."""
-        return self.num_nodes if self.agents_ended and self.failed_ranks else len(self.node_hosts)
+        return self.num_nodes if self.agents_failed else len(self.node_hosts)
 
     # -- events -------------------------------------------------------------------------------
 
@@ -324,6 +328,7 @@ class RunState:
             self._stop(StopCause.CANCELLED, event.reason, decisions, override=True)
         elif isinstance(event, AgentsEnded):
             self.agents_ended = True
+            self.agents_failed = event.failed
         self._check_deadlines(now, decisions)
         return decisions
 
@@ -354,6 +359,8 @@ class RunState:
             self.failed_ranks.append(event.rank)
         if event.hung_since is not None:
             self.hung_since[event.rank] = event.hung_since
+        if event.seen_at is not None:
+            self.failure_seen_at.setdefault(event.rank, event.seen_at)
         self._stop(StopCause.RANK_FAILED, f"rank {event.rank} failed", decisions)
 
     def _on_rows(self, counts: Mapping[int, int], decisions: list[Decision]) -> None:

@@ -19,40 +19,34 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import importlib.util
 import json
 import logging
-import os
-import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from sparkdist._backends import spark_driver as _spark
+from sparkdist._backends.base import Backend, RunningAgents
+from sparkdist._backends.choose import select_backend
 from sparkdist._backends.job_file import JobFile, job_file_name
-from sparkdist._core.config import LaunchConfig, Mode
+from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._core.errors import ClusterError, ConfigError, RankFailure, WorkerFailedError
-from sparkdist._core.placement import (
-    TORCH_IGNORE_SSL_KEY,
-    Placement,
-    check_cluster_conf,
-    place_local,
-    place_on_cluster,
-)
+from sparkdist._core.errors import RankFailure, WorkerFailedError
+from sparkdist._core.files import make_private_dirs
+from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
+from sparkdist._core.plan import LaunchPlan, make_plan
 from sparkdist._core.result import RunResult
-from sparkdist._core.versions import check_local, expected_requirements
+from sparkdist._core.run_state import Deadlines
+from sparkdist._core.versions import expected_requirements
 from sparkdist._engine.supervisor import (
     ABORT_GRACE_S,
     RunMonitor,
-    Submission,
     request_cancel,
     result_of,
     supervise,
 )
 from sparkdist._node.agent import AgentSpec
-from sparkdist._node.gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._shipping.code import ModuleRecorder, pack_local_code
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.captures import check_job_size
@@ -61,9 +55,91 @@ from sparkdist._wire.payload import Job, dumps_job
 
 logger = logging.getLogger("sparkdist")
 
-#: ``off`` makes barrier tasks rendezvous through Spark's allGather instead of this process's
-#: control channel (for executors that cannot reach it); output then arrives at the end.
-CONTROL_CHANNEL_VAR = "SPARKDIST_CONTROL_CHANNEL"
+
+@dataclass(frozen=True)
+class PreparedLaunch:
+    """Everything decided before any process starts: the plan, and what executes it."""
+
+    run_id: str
+    plan: LaunchPlan
+    backend: Backend
+    template: AgentSpec
+    job_bytes: bytes
+
+
+def prepare(
+    config: LaunchConfig,
+    job: Job,
+    *,
+    session: Any | None = None,
+    ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+    dataframe: Any | None = None,
+) -> PreparedLaunch:
+    """Validate, pickle, place and plan a run on the caller's thread; start nothing.
+
+    Everything that can be refused is refused here (``sparkdist run --dry-run`` stops here and
+    prints ``plan.describe()``).
+    """
+    backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe)
+    recorder = ModuleRecorder()
+    job_bytes = dumps_job(job, on_object=recorder)
+    large = check_job_size(
+        job,
+        len(job_bytes),
+        config.job_size_warn_mb,
+        config.job_size_limit_mb,
+        local_mode=not backend.ships_large_jobs,
+    )
+    wanted = expected_requirements(
+        config.mode.value, config.requirements, pinned_only=not backend.ships_large_jobs
+    )
+    code_zip = pack_local_code(recorder.names, visible_dirs=backend.visible_code_dirs())
+    placement = backend.place(config)
+    requirements = backend.requirements(config, wanted)
+    job_as_file = large and backend.ships_large_jobs
+    run_id = uuid.uuid4().hex[:12]
+    plan = make_plan(
+        config,
+        placement,
+        backend=backend.kind,
+        job_name=job.name,
+        job_size_bytes=len(job_bytes),
+        job_as_file=job_as_file,
+        requirements=[
+            r.name if r.version is None else f"{r.name}=={r.version}" for r in requirements
+        ],
+    )
+    extra_env = {**backend.rank_env(config), **config.env}
+    if config.checkpoint_dir is not None:
+        extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
+    host = backend.driver_host
+    template = AgentSpec(
+        run_id=run_id,
+        job_bytes=b"" if job_as_file else job_bytes,
+        node_rank=0,
+        num_nodes=placement.num_tasks,
+        processes_per_node=placement.processes_per_task,
+        master_addr=host,
+        host=host,
+        channel_address=(host, 0),
+        secret="",
+        gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
+        mode=config.mode.value,
+        start_timeout_s=config.start_timeout_s,
+        extra_env=extra_env,
+        max_restarts=config.max_restarts,
+        gpu_type=config.gpu_type,
+        deepspeed_config_json=(
+            json.dumps(dict(config.deepspeed_config))
+            if config.deepspeed_config is not None
+            else None
+        ),
+        heartbeat_timeout_s=config.heartbeat_timeout_s,
+        requirements=requirements,
+        code_zip=code_zip,
+        job_file=job_file_name(run_id) if job_as_file else None,
+    )
+    return PreparedLaunch(run_id, plan, backend, template, job_bytes)
 
 
 class Launch:
@@ -78,58 +154,17 @@ class Launch:
         ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
         dataframe: Any | None = None,
     ) -> None:
-        if dataframe is not None:
-            if config.local_mode:
-                raise ConfigError(
-                    "a Spark DataFrame input is read by the barrier stage on the executors; "
-                    "pass local_mode=False (local mode runs no Spark job), or collect small "
-                    "data yourself and pass it as an argument"
-                )
-            session = session if session is not None else dataframe.sparkSession
-        self._dataframe = dataframe
-        recorder = ModuleRecorder()
-        job_bytes = dumps_job(job, on_object=recorder)
-        large = check_job_size(
-            job,
-            len(job_bytes),
-            config.job_size_warn_mb,
-            config.job_size_limit_mb,
-            local_mode=config.local_mode,
+        prepared = prepare(
+            config, job, session=session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe
         )
-        requirements = expected_requirements(
-            config.mode.value, config.requirements, pinned_only=config.local_mode
-        )
-        # Local ranks already import from the driver's own directories (_local_python_path).
-        code_zip = pack_local_code(
-            recorder.names,
-            visible_dirs=(
-                _local_python_path().get("PYTHONPATH", "").split(os.pathsep)
-                if config.local_mode
-                else ()
-            ),
-        )
-        self.run_id = uuid.uuid4().hex[:12]
+        self.run_id = prepared.run_id
         self.config = config
+        self.plan = prepared.plan
+        self.placement = prepared.plan.placement
+        self._backend = prepared.backend
+        self._dataframe = dataframe
+        self._template = prepared.template
         self._job_file: JobFile | None = None
-        ship_as_file = large and not config.local_mode
-        if config.local_mode:
-            session = session if session is not None else _spark.active_session()
-            _check_local_packages(config)
-            self.placement = place_local(config, _driver_gpus(config, session))
-            _check_local_gpu_type(config, self.placement)
-            check_local(requirements)  # the ranks run this interpreter: only pins can differ
-            requirements = ()
-            driver_host = "127.0.0.1"
-            extra_env = {**_local_python_path(), **config.env}
-        else:
-            session = session if session is not None else _spark.get_or_create_session()
-            conf = _spark.spark_conf(session)
-            for warning in check_cluster_conf(conf, ignore_ssl_key):
-                _warn_once(warning)
-            self.placement = place_on_cluster(config, conf)
-            _spark.wait_for_barrier_slots(session, self.placement.num_tasks, config.start_timeout_s)
-            driver_host = _spark.driver_host(session)
-            extra_env = dict(config.env)
         placement = self.placement
         settings = ", ".join(f"{k}={v}" for k, v in config.mode_settings().items())
         logger.info(
@@ -142,36 +177,7 @@ class Launch:
             placement.num_tasks,
         )
         if config.checkpoint_dir is not None:
-            os.makedirs(config.checkpoint_dir, exist_ok=True)
-            extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
-        self._session = session
-        self._driver_host = driver_host
-        self._template = AgentSpec(
-            run_id=self.run_id,
-            job_bytes=b"" if ship_as_file else job_bytes,
-            node_rank=0,
-            num_nodes=placement.num_tasks,
-            processes_per_node=placement.processes_per_task,
-            master_addr=driver_host,
-            host=driver_host,
-            channel_address=(driver_host, 0),
-            secret="",
-            gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
-            mode=config.mode.value,
-            start_timeout_s=config.start_timeout_s,
-            extra_env=extra_env,
-            max_restarts=config.max_restarts,
-            gpu_type=config.gpu_type,
-            deepspeed_config_json=(
-                json.dumps(dict(config.deepspeed_config))
-                if config.deepspeed_config is not None
-                else None
-            ),
-            heartbeat_timeout_s=config.heartbeat_timeout_s,
-            requirements=requirements,
-            code_zip=code_zip,
-            job_file=job_file_name(self.run_id) if ship_as_file else None,
-        )
+            make_private_dirs(config.checkpoint_dir)
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -184,8 +190,8 @@ class Launch:
         # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
         self._tracker = RunTracker(config, placement, self.run_id)
         try:
-            if ship_as_file:
-                self._job_file = JobFile(session, job_bytes, self.run_id)
+            if prepared.plan.job_as_file:
+                self._job_file = JobFile(self._backend.session, prepared.job_bytes, self.run_id)
             self._start_attempt(0)
             supervisor.start()
         except BaseException as exc:
@@ -200,42 +206,40 @@ class Launch:
             raise
 
     def _start_attempt(self, restart_count: int) -> None:
-        """Open a fresh channel (new secret) and submit the agents for one attempt; it becomes
-        ``self._attempt`` as soon as they are submitted (so a cancel can reach them)."""
+        """Open a fresh channel (new secret) and start the agents for one attempt; it becomes
+        ``self._attempt`` as soon as they are started (so a cancel can reach them)."""
         placement = self.placement
-        monitor = RunMonitor(placement.world_size, placement.num_tasks)
-        self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
+        deadlines = Deadlines(self.config.start_timeout_s, self.config.timeout_s)
+        host = self._backend.driver_host
         secret = new_secret()
-        server = ChannelServer(self._driver_host, secret, monitor.on_message, monitor.on_disconnect)
+        monitor = RunMonitor(
+            placement.world_size,
+            placement.num_tasks,
+            deadlines,
+            detached=self._backend.channel_port(1) == 0,
+            expects_rows=self._dataframe is not None,
+        )
+        self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
+        server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect)
         monitor.server = server
         template = dataclasses.replace(
             self._template,
-            channel_address=(self._driver_host, self._channel_port(server)),
+            channel_address=(host, self._backend.channel_port(server.port)),
             secret=secret,
             restart_count=restart_count,
         )
+
+        def wake() -> None:
+            with monitor.changed:
+                monitor.changed.notify_all()
+
         try:
             self._attempt = _Attempt(
-                monitor,
-                server,
-                Submission(
-                    self._session,
-                    template,
-                    placement,
-                    self.config.local_mode,
-                    monitor,
-                    self._dataframe,
-                ),
+                monitor, server, self._backend.start(template, placement, wake)
             )
         except BaseException:
             server.close()
             raise
-
-    def _channel_port(self, server: ChannelServer) -> int:
-        """The channel's port for the agents; 0 tells them to run detached (Spark mode only)
-        when ``SPARKDIST_CONTROL_CHANNEL=off`` says executors cannot reach this process."""
-        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
-        return 0 if off and not self.config.local_mode else server.port
 
     def _supervise(self) -> None:
         earlier: list[RankFailure] = []
@@ -244,7 +248,7 @@ class Launch:
                 attempt = self._attempt
                 assert attempt is not None
                 try:
-                    outcomes = supervise(self.config, attempt.submission, attempt.monitor)
+                    outcomes = supervise(self.config, attempt.agents, attempt.monitor)
                     self._result = result_of(
                         outcomes, attempt.monitor, self.run_id, self.config, self.placement
                     )
@@ -337,7 +341,7 @@ class Launch:
             self._cancel_reason = reason
             attempt = self._attempt
         if attempt is not None:
-            request_cancel(attempt.monitor, reason, attempt.submission)
+            request_cancel(attempt.monitor, reason, attempt.agents)
         # The supervisor closes the attempt (and the MLflow run) once its agents returned.
         self._done.wait(ABORT_GRACE_S)
         return True
@@ -346,10 +350,10 @@ class Launch:
 class _Attempt:
     """One try of the whole world: its channel, its driver-side view, its agents."""
 
-    def __init__(self, monitor: RunMonitor, server: ChannelServer, submission: Submission):
+    def __init__(self, monitor: RunMonitor, server: ChannelServer, agents: RunningAgents):
         self.monitor = monitor
         self.server = server
-        self.submission = submission
+        self.agents = agents
 
     def close(self) -> None:
         self.server.close()
@@ -390,54 +394,3 @@ def _interruption(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     detail = f": {text[0][:200]}" if text else ""
     return f"the driver's waiting thread was interrupted by {type(exc).__name__}{detail}"
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """Cluster-wide concerns are said once per driver process, not on every run."""
-    if message not in _warned:
-        _warned.add(message)
-        logger.warning("sparkdist: %s", message)
-
-
-def _driver_gpus(config: LaunchConfig, session: Any | None) -> list[str]:
-    if config.use_gpu is False:
-        return []
-    from_spark = _spark.driver_gpu_addresses(session)
-    if from_spark is not None:
-        return from_spark
-    return [gpu.address for gpu in visible_gpus()]
-
-
-def _check_local_packages(config: LaunchConfig) -> None:
-    """Local ranks use the driver's interpreter: refuse a mode whose package is missing."""
-    if config.mode is Mode.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
-        raise ConfigError(
-            "mode='deepspeed' needs the deepspeed package, which this Python does not have; "
-            "pip install deepspeed (or pass mode='ddp')"
-        )
-
-
-def _check_local_gpu_type(config: LaunchConfig, placement: Placement) -> None:
-    if config.gpu_type is None:
-        return
-    gpus = gpus_at(list(placement.driver_gpus)) if placement.use_gpu else []
-    problem = gpu_type_mismatch(config.gpu_type, gpus, "the driver")
-    if problem is not None:
-        raise ClusterError(problem)
-
-
-def _local_python_path() -> dict[str, str]:
-    """Let local ranks import what the driver imports (modules next to a notebook, say)."""
-    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    entries = []
-    for entry in sys.path:
-        path = os.path.realpath(entry or os.getcwd())
-        if os.path.isdir(path) and not any(path.startswith(p + os.sep) for p in prefixes):
-            entries.append(path)
-    inherited = os.environ.get("PYTHONPATH")
-    if inherited:
-        entries.append(inherited)
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys(entries))} if entries else {}

@@ -1,28 +1,27 @@
-"""Supervising a started run: the driver's view of it, deadlines, and turning outcomes into a
-result or an error.
+"""Supervising a started attempt: feed the run state machine, carry out its decisions, and turn
+outcomes into a result or an error.
 
-``RunMonitor`` is fed by the control channel's reader threads; ``Submission`` runs the agents'
-side (a local agent thread or a Spark barrier stage) on a thread; ``supervise`` waits for either
-to end while enforcing the run and start-up deadlines.
+``RunMonitor`` adapts the control channel to ``_core.run_state.RunState``: each message becomes
+an event, each decision an action (broadcast the rendezvous, broadcast an abort, cancel the
+agents). ``supervise`` runs on the launch's supervisor thread: it ticks the machine at its
+deadlines until the agents' side ended, then collects the outcomes. Which rank failed first is
+decided by ``run_state.root_cause`` from the ranks' own timestamps.
 
-Non-goals: placement and argument handling (``_launcher``).
+Non-goals: placement and argument handling (``launch``), how agents start (``_backends``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import json
 import logging
-import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from sparkdist._backends.stage import BarrierStage
+from sparkdist._backends.base import RunningAgents
 from sparkdist._core.config import LaunchConfig
-from sparkdist._core.env import ROWS_PER_RANK_VAR
 from sparkdist._core.errors import (
     ClusterError,
     ConfigError,
@@ -33,65 +32,93 @@ from sparkdist._core.errors import (
 )
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
+from sparkdist._core.run_state import (
+    AbortAll,
+    AgentsEnded,
+    CancelRequested,
+    CancelStage,
+    Deadlines,
+    Decision,
+    Event,
+    FailureTiming,
+    HoldRendezvous,
+    NodeDone,
+    NodeHello,
+    NodeLost,
+    NodeRefused,
+    RankFailed,
+    RankJoined,
+    ReleaseRendezvous,
+    RowsCounted,
+    RunState,
+    SendRendezvous,
+    StopCause,
+    StoreReady,
+    Tick,
+    root_cause,
+)
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
 from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
-from sparkdist._node.agent import Agent, AgentSpec
 from sparkdist._node.detached import failures_in
 from sparkdist._wire.channel import ChannelServer, Message, Peer
 from sparkdist._wire.payload import Outcome, loads
 
 logger = logging.getLogger("sparkdist")
 
-#: After the first failure, how long agents get to report before the stage is cancelled.
-FAILURE_GRACE_S = 30.0
 #: After an abort, how long the driver waits for every agent to confirm its ranks are gone.
 ABORT_GRACE_S = 60.0
-#: Spark mode, after an abort: how long the agents that reached the channel get to end their
-#: ranks and say bye before the stage is cancelled (cancelling first lets Spark kill an agent
-#: mid-way, its Python worker SIGKILLed after spark.python.task.killTimeout, and its ranks then
-#: end themselves, less thoroughly).
+#: After an abort, how long the agents that reached the channel get to end their ranks and say
+#: bye before the agents' side is cancelled (a Spark task cancelled first may have its Python
+#: worker SIGKILLed half-way, and its ranks then end themselves, less thoroughly).
 AGENT_STOP_S = 5.0
 #: How long the driver waits for the agents' last output lines after the run ends.
 OUTPUT_DRAIN_S = 5.0
 
+#: Stops the caller is owed promptly: the supervisor raises as soon as the agents are gone.
+_CALLER_STOPS = (StopCause.CANCELLED, StopCause.TIMED_OUT, StopCause.START_TIMED_OUT)
+
 
 class RunMonitor:
-    """The driver's view of a run, fed by the control channel's reader threads."""
+    """The driver's view of one attempt: channel messages in, ``RunState`` decisions out.
 
-    def __init__(self, world_size: int, num_nodes: int) -> None:
-        self.world_size = world_size
-        self.num_nodes = num_nodes
-        self.server: ChannelServer | None = None
+    Every method may be called from the channel's threads or the caller's; ``changed`` guards
+    the state and wakes the supervisor.
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        num_nodes: int,
+        deadlines: Deadlines,
+        *,
+        detached: bool = False,
+        expects_rows: bool = False,
+    ) -> None:
         self.changed = threading.Condition()
-        self.store_port: int | None = None
-        # Environment every rank gets with the rendezvous (after spawn): lets driver-side
-        # set-up that is slow (an MLflow run, the DataFrame's row counts) overlap with the
-        # workers' start-up. The rendezvous waits until every hold is released.
-        self.rank_env: dict[str, str] = {}
-        self.holds = 0
-        self.rendezvous_sent = False
-        # DataFrame input: rows each rank got, reported by the agents after writing them.
-        self.rows: dict[int, int] = {}
-        self.expects_rows = False
-        self.data_error: str | None = None
-        self.joined: set[int] = set()
-        self.failure_order: list[int] = []
-        self.failure_codes: dict[int, int] = {}
-        self.byes: set[int] = set()
-        self.dropped = 0
-        self.abort_reason: str | None = None
-        self.cancelled = False
+        self.state = RunState(world_size, num_nodes, deadlines, time.monotonic(), detached)
+        self.server: ChannelServer | None = None
         self.refusals: list[Refusal] = []
-        self.hung_since: dict[int, float] = {}  # rank -> wall time of its last heartbeat
-        self.node_hosts: dict[int, str] = {}
-        self.lost_nodes: list[int] = []
-        # Set by the launcher's tracker: where runtime.report() messages go (called on a
-        # reader thread, so it must be cheap), and a context around each rank line printed
-        # (a live progress bar steps aside for it).
+        self.failure_codes: dict[int, int] = {}
+        self.stage_cancel_due = False
+        # Set by the launch's tracker: where runtime.report() messages go (called on a channel
+        # thread, so it must be cheap), and a context around each rank line printed (a live
+        # progress bar steps aside for it).
         self.on_report: Callable[[Message], None] | None = None
         self.output_guard: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
+        if expects_rows:  # DataFrame input: the rendezvous waits for every rank's row count
+            self.handle(HoldRendezvous())
+
+    @property
+    def node_hosts(self) -> Mapping[int, str]:
+        return self.state.node_hosts
+
+    @property
+    def dropped(self) -> int:
+        return self.state.dropped_lines
+
+    # -- channel callbacks ----------------------------------------------------------------------
 
     def on_message(self, peer: Peer, message: Message) -> None:
         kind = message["t"]
@@ -103,313 +130,167 @@ class RunMonitor:
             if self.on_report is not None:
                 self.on_report(message)
             return
-        with self.changed:
-            if kind == "hello":
-                peer.node = int(message["node"])
-                self.node_hosts[peer.node] = str(message.get("host", ""))
-                self._broadcast_rendezvous()  # goes out once the last node said hello
-                if self.abort_reason is not None:
-                    peer.send({"t": "abort", "reason": self.abort_reason})
-            elif kind == "store":
-                self.store_port = int(message["port"])
-                self._broadcast_rendezvous()
-            elif kind == "ready":
-                self.joined.add(int(message["rank"]))
-            elif kind == "failed":
-                rank = int(message["rank"])
-                self.failure_order.append(rank)
-                if message.get("exit_code") is not None:
-                    self.failure_codes[rank] = int(message["exit_code"])
-                if message.get("hung"):
-                    self.hung_since[rank] = float(message.get("last_beat", 0.0))
-                self._abort_locked(f"rank {rank} failed")
-            elif kind == "rows":
-                self._record_rows(message.get("counts", {}))
-            elif kind == "refused":
-                # An agent would not start its ranks (wrong GPU type, package versions):
-                # nobody may train.
-                refusal = Refusal.of(message)
-                self.refusals.append(refusal)
-                self.byes.add(int(message["node"]))
-                self._abort_locked(refusal.summary)
-            elif kind == "bye":
-                self.byes.add(int(message["node"]))
-                self.dropped += int(message.get("dropped", 0))
-            self.changed.notify_all()
-
-    def hold_rendezvous(self) -> None:
-        """Hold the rendezvous until a matching ``release_rendezvous``."""
-        with self.changed:
-            self.holds += 1
-
-    def release_rendezvous(self, env: dict[str, str]) -> None:
-        """Release one hold, adding ``env`` to what every rank gets before user code runs;
-        the rendezvous goes out when no hold is left."""
-        with self.changed:
-            self.rank_env.update(env)
-            self.holds = max(0, self.holds - 1)
-            self._broadcast_rendezvous()
-            self.changed.notify_all()
-
-    def expect_rows(self) -> None:
-        """DataFrame input: hold the rendezvous until every rank's row count is in."""
-        self.expects_rows = True
-        self.hold_rendezvous()
-
-    def _record_rows(self, counts: dict[str, Any]) -> None:
-        self.rows.update({int(rank): int(n) for rank, n in counts.items()})
-        if len(self.rows) < self.world_size:
+        event = self._event_of(peer, message)
+        if event is None:
             return
-        ordered = [self.rows[r] for r in range(self.world_size)]
-        if sum(ordered) == 0:
-            self.data_error = (
-                "the DataFrame has no rows: every rank would train on nothing; check its "
-                "filters, or pass a DataFrame with data"
-            )
-            self._abort_locked(self.data_error)
-            return
-        empty = [rank for rank, n in enumerate(ordered) if n == 0]
-        if empty:
-            self.data_error = (
-                f"rank(s) {_ranks(empty)} got no rows of the DataFrame (rows per rank: "
-                f"{ordered}); it is too small to give every rank some: use more rows or "
-                "fewer processes"
-            )
-            self._abort_locked(self.data_error)
-            return
-        self.rank_env[ROWS_PER_RANK_VAR] = json.dumps(ordered)
-        self.holds = max(0, self.holds - 1)
-        self._broadcast_rendezvous()
-
-    def _rendezvous(self) -> Message | None:
-        # Every node must have said hello (an agent does so only after its checks passed):
-        # no rank may start training while another node could still refuse the run.
-        if self.store_port is None or self.holds or len(self.node_hosts) < self.num_nodes:
-            return None
-        return {"t": "rendezvous", "master_port": self.store_port, "env": self.rank_env}
-
-    def _broadcast_rendezvous(self) -> None:
-        message = self._rendezvous()
-        if message is not None and not self.rendezvous_sent:
-            self.rendezvous_sent = True
-            self._broadcast(message)
+        with self.changed:
+            self.handle(event)
+            if kind == "hello" and self.state.stop_reason is not None:
+                peer.send({"t": "abort", "reason": self.state.stop_reason})  # a late node
 
     def on_disconnect(self, peer: Peer) -> None:
         """An agent's connection dropped: before its "bye", its node is lost."""
-        node = peer.node
+        if peer.node is not None:
+            self.handle(NodeLost(peer.node))
+
+    def _event_of(self, peer: Peer, message: Message) -> Event | None:
+        kind = message["t"]
+        if kind == "hello":
+            peer.node = int(message["node"])
+            return NodeHello(peer.node, str(message.get("host", "")))
+        if kind == "store":
+            return StoreReady(int(message["port"]))
+        if kind == "ready":
+            return RankJoined(int(message["rank"]))
+        if kind == "failed":
+            rank = int(message["rank"])
+            if message.get("exit_code") is not None:
+                self.failure_codes[rank] = int(message["exit_code"])
+            hung = float(message.get("last_beat", 0.0)) if message.get("hung") else None
+            seen = message.get("time")
+            return RankFailed(rank, hung, float(seen) if seen is not None else None)
+        if kind == "rows":
+            counts = message.get("counts", {})
+            return RowsCounted({int(rank): int(n) for rank, n in counts.items()})
+        if kind == "refused":
+            # An agent would not start its ranks (GPU type, package versions): nobody trains.
+            refusal = Refusal.of(message)
+            self.refusals.append(refusal)
+            return NodeRefused(int(message["node"]), refusal.summary)
+        if kind == "bye":
+            return NodeDone(int(message["node"]), int(message.get("dropped", 0)))
+        return None
+
+    # -- events from the driver's side ----------------------------------------------------------
+
+    def hold_rendezvous(self) -> None:
+        """Hold the rendezvous until a matching ``release_rendezvous``."""
+        self.handle(HoldRendezvous())
+
+    def release_rendezvous(self, env: dict[str, str]) -> None:
+        """Release one hold, adding ``env`` to what every rank gets before user code runs."""
+        self.handle(ReleaseRendezvous(env))
+
+    def cancel(self, reason: str) -> None:
+        self.handle(CancelRequested(reason))
+
+    def tick(self) -> None:
+        self.handle(Tick())
+
+    def handle(self, event: Event) -> None:
+        """Apply ``event`` now and carry out what the machine decides."""
         with self.changed:
-            if node is not None and node not in self.byes:
-                self.lost_nodes.append(node)
-                self._abort_locked(f"lost contact with node {node}")
+            for decision in self.state.handle(event, time.monotonic()):
+                self._carry_out(decision)
             self.changed.notify_all()
 
-    def root_cause_order(self, candidates: set[int]) -> list[int]:
-        """Failed ranks, likeliest root cause first.
-
-        The first failure the driver heard of comes first, except for hangs: every rank of a
-        hung collective goes silent, so the one silent longest is the likeliest culprit.
-        """
-        heard = [rank for rank in dict.fromkeys(self.failure_order) if rank in candidates]
-        if heard and all(rank in self.hung_since for rank in heard):
-            heard.sort(key=lambda rank: self.hung_since[rank])
-        return heard
-
-    def abort(self, reason: str) -> None:
-        with self.changed:
-            self._abort_locked(reason)
-            self.changed.notify_all()
-
-    def _abort_locked(self, reason: str) -> None:
-        if self.abort_reason is None:
-            self.abort_reason = reason
-            self._broadcast({"t": "abort", "reason": reason})
+    def _carry_out(self, decision: Decision) -> None:
+        if isinstance(decision, SendRendezvous):
+            self._broadcast(
+                {"t": "rendezvous", "master_port": decision.master_port, "env": dict(decision.env)}
+            )
+        elif isinstance(decision, AbortAll):
+            self._broadcast({"t": "abort", "reason": decision.reason})
+        elif isinstance(decision, CancelStage):
+            self.stage_cancel_due = True  # done by the supervisor thread: it may wait
 
     def _broadcast(self, message: Message) -> None:
         if self.server is not None:
             self.server.broadcast(message)
 
 
-class Submission:
-    """The agents' side of the run, started on a thread: one local agent or a barrier stage."""
-
-    def __init__(
-        self,
-        session: Any,
-        template: AgentSpec,
-        placement: Placement,
-        local_mode: bool,
-        monitor: RunMonitor,
-        dataframe: Any | None = None,
-    ) -> None:
-        self.outcomes: list[Outcome] | None = None
-        self.error: BaseException | None = None
-        self.done = False
-        self._monitor = monitor
-        self._stage = None
-        self._agent: Agent | None = None
-        work: Callable[[], list[Outcome]]
-        if local_mode:
-            self._agent = Agent(template)
-            work = self._agent.run
-        else:
-            if dataframe is not None:
-                monitor.expect_rows()
-            self._stage = BarrierStage(
-                session, template, placement.num_tasks, placement.use_gpu, dataframe
-            )
-            stage = self._stage
-            work = lambda: [loads(row) for row in stage.collect()]
-        self._thread = threading.Thread(
-            target=self._run, args=(work,), name=f"sparkdist-run-{template.run_id}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self, work: Callable[[], list[Outcome]]) -> None:
-        try:
-            self.outcomes = work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the supervising thread
-            self.error = exc
-        finally:
-            with self._monitor.changed:
-                self.done = True
-                self._monitor.changed.notify_all()
-
-    @property
-    def local(self) -> bool:
-        return self._agent is not None
-
-    def stop_local(self, reason: str) -> None:
-        """Local mode: end every rank now, on this thread, and return once they are gone (no
-        round trip through the control channel). Spark mode: nothing (see ``cancel``)."""
-        if self._agent is not None:
-            self._agent.stop(reason)
-
-    def cancel(self, reason: str = "the run was cancelled") -> None:
-        """End the agents' side: local mode as ``stop_local``; Spark mode cancels the stage."""
-        self.stop_local(reason)
-        if self._stage is not None:
-            try:
-                self._stage.cancel()
-            except Exception:
-                logger.debug("sparkdist: cancelling the Spark job failed", exc_info=True)
-
-
-def supervise(config: LaunchConfig, submission: Submission, monitor: RunMonitor) -> list[Outcome]:
-    """Wait for the run to end, enforcing the deadlines; return every rank's Outcome.
+def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) -> list[Outcome]:
+    """Wait for the attempt to end, enforcing the deadlines; return every rank's Outcome.
 
     Raises:
         RunTimeoutError, RendezvousError, CancelledError: after every rank was stopped.
-        WorkerFailedError, ClusterError: when the Spark stage itself failed.
+        WorkerFailedError, ClusterError, ConfigError: the attempt failed.
     """
-    started = time.monotonic()
-    run_deadline = started + config.timeout_s if config.timeout_s else None
-    start_deadline = started + config.start_timeout_s
-    failure_deadline: float | None = None
+    state = monitor.state
     with monitor.changed:
-        while not submission.done:
-            if monitor.cancelled:
-                raise _stop(
-                    submission,
-                    monitor,
-                    concurrent.futures.CancelledError(
-                        "the run was cancelled; every rank was stopped"
-                    ),
-                )
-            now = time.monotonic()
-            if run_deadline is not None and now >= run_deadline:
-                raise _stop(
-                    submission,
-                    monitor,
-                    RunTimeoutError(
-                        f"the run exceeded timeout_s={config.timeout_s}; every rank was "
-                        "stopped. Raise timeout_s, or pass timeout_s=None for no limit"
-                    ),
-                )
-            # Only nodes that reached the channel can be waited for: detached nodes (no hello)
-            # enforce the start-up deadline in their ranks themselves.
-            if (
-                monitor.node_hosts
-                and len(monitor.joined) < monitor.world_size
-                and now >= start_deadline
-            ):
-                missing = sorted(set(range(monitor.world_size)) - monitor.joined)
-                raise _stop(
-                    submission,
-                    monitor,
-                    RendezvousError(
-                        f"rank(s) {_ranks(missing)} did not join the run within "
-                        f"start_timeout_s={config.start_timeout_s}; check that the executors "
-                        "can start Python with torch, or raise start_timeout_s"
-                    ),
-                )
-            if monitor.failure_order and failure_deadline is None:
-                failure_deadline = now + FAILURE_GRACE_S
-            if failure_deadline is not None and now >= failure_deadline:
-                submission.cancel()
-                failure_deadline = now + ABORT_GRACE_S
-            deadlines = [d for d in (run_deadline, failure_deadline) if d is not None]
-            if monitor.node_hosts and len(monitor.joined) < monitor.world_size:
-                deadlines.append(start_deadline)
-            monitor.changed.wait(max(0.0, min(deadlines) - now) if deadlines else None)
-    with monitor.changed:
-        # A finished stage's agents have reaped their ranks; only nodes that reached the
-        # channel say bye (detached ones never connect). After a failed stage, give every
-        # node's agent the full drain time: Spark stops the other tasks asynchronously.
-        expected = monitor.num_nodes if submission.error is not None else len(monitor.node_hosts)
-        monitor.changed.wait_for(lambda: len(monitor.byes) >= expected, timeout=OUTPUT_DRAIN_S)
+        while not agents.done:
+            monitor.tick()
+            if monitor.stage_cancel_due:
+                monitor.stage_cancel_due = False
+                _cancel_agents(agents, monitor, state.stop_reason or "the run is ending")
+            if state.stop_cause in _CALLER_STOPS:
+                monitor.changed.wait_for(lambda: agents.done, timeout=ABORT_GRACE_S)
+                raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
+            wakeup = state.next_wakeup()
+            monitor.changed.wait(
+                None if wakeup is None else max(0.0, wakeup - time.monotonic()) + 0.001
+            )
+        monitor.handle(AgentsEnded(failed=agents.error is not None))
+        # Finished agents have reaped their ranks; only nodes that reached the channel say bye
+        # (detached ones never connect). After a failed stage every node's agent gets the full
+        # drain time: Spark stops the other tasks asynchronously.
+        expected = state.expected_goodbyes()
+        monitor.changed.wait_for(lambda: len(state.done_nodes) >= expected, timeout=OUTPUT_DRAIN_S)
+    if state.stop_cause is StopCause.CANCELLED:
+        raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
     # Every node's refusal in one message (the wait for the byes above let them all arrive).
-    refusals = monitor.refusals + refusals_in(submission.error)
+    refusals = monitor.refusals + refusals_in(agents.error)
     if refusals:
-        raise ClusterError(refusal_message(refusals, monitor.num_nodes))
-    if monitor.data_error is not None:
-        raise ConfigError(monitor.data_error)
-    if submission.error is not None:
-        raise _stage_failure(submission.error, monitor)
-    assert submission.outcomes is not None
-    return submission.outcomes
+        raise ClusterError(refusal_message(refusals, state.num_nodes))
+    if state.data_error is not None:
+        raise ConfigError(state.data_error)
+    if agents.error is not None:
+        raise _stage_failure(agents.error, monitor)
+    assert agents.outcomes is not None
+    return agents.outcomes
 
 
-def _stop(submission: Submission, monitor: RunMonitor, error: BaseException) -> BaseException:
-    """Abort every rank, cancel the stage, and wait until the agents are done."""
-    monitor.abort(str(error))
-    # The condition's lock is reentrant and fully released while waiting, so the channel's
-    # threads keep delivering messages even when the caller holds it.
-    if not submission.local:
+def _cancel_agents(agents: RunningAgents, monitor: RunMonitor, reason: str) -> None:
+    """Every rank was told to stop; make sure the agents' side ends (called holding
+    ``monitor.changed``, whose waits release it so channel threads keep delivering)."""
+    state = monitor.state
+    if agents.goodbye_before_cancel:
         # The agents that reached the channel end their ranks on the abort and say bye; only
         # then is the stage cancelled (for the agents the abort cannot reach). A stage that is
         # over is no sign their ranks are gone: pyspark's own Ctrl-C handler cancels every job
         # first, and a cancelled task's agent goes on until Spark kills its Python worker.
-        with monitor.changed:
-            monitor.changed.wait_for(
-                lambda: set(monitor.node_hosts) <= monitor.byes | set(monitor.lost_nodes),
-                timeout=AGENT_STOP_S,
-            )
-    submission.cancel(str(error))
-    with monitor.changed:
-        monitor.changed.wait_for(lambda: submission.done, timeout=ABORT_GRACE_S)
-    return error
+        monitor.changed.wait_for(
+            lambda: set(state.node_hosts) <= state.done_nodes | set(state.lost_nodes),
+            timeout=AGENT_STOP_S,
+        )
+    agents.cancel(reason)
 
 
-def request_cancel(monitor: RunMonitor, reason: str, submission: Submission | None = None) -> None:
-    """Ask the supervising thread to stop the run (it raises CancelledError); in local mode,
-    also end every rank on this thread, returning once they are gone."""
-    with monitor.changed:
-        monitor.cancelled = True
-        monitor.changed.notify_all()
-    monitor.abort(reason)
-    if submission is not None:
-        submission.stop_local(reason)
+def _caller_stop_error(cause: StopCause | None, reason: str) -> BaseException:
+    if cause is StopCause.TIMED_OUT:
+        return RunTimeoutError(reason)
+    if cause is StopCause.START_TIMED_OUT:
+        return RendezvousError(reason)
+    return concurrent.futures.CancelledError("the run was cancelled; every rank was stopped")
+
+
+def request_cancel(monitor: RunMonitor, reason: str, agents: RunningAgents | None = None) -> None:
+    """Stop the run (the supervisor then raises CancelledError); where the backend can, also
+    end every rank on this thread, returning once they are gone."""
+    monitor.cancel(reason)
+    if agents is not None:
+        agents.stop_now(reason)
 
 
 def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
-    """The Spark stage itself failed (an executor died, a task raised before its agent ran)."""
+    """The agents' side itself failed (an executor died, a task raised before its agent ran,
+    a detached node reported its ranks' failures in its task error)."""
     if isinstance(error, (ClusterError, WorkerFailedError)):
         return error
+    state = monitor.state
     detached = {f.rank: f for f in failures_in(str(error))}
-    if detached:  # ranks of a node cut off from the channel failed; their task said how
-        root = detached[next(iter(detached))]
-        causes = [f for f in detached.values() if not _is_peer_loss(f)]
-        failed = WorkerFailedError(detached, causes[0] if causes else root)
+    if detached:
+        failed = WorkerFailedError(detached, detached[_root_of(detached, monitor, {})])
         failed.__cause__ = error
         return failed
     summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -421,11 +302,11 @@ def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
             exc_type="",
             message=f"failed; its details were lost with the Spark stage ({summary})",
         )
-        for rank in monitor.failure_order
+        for rank in state.failed_ranks
     }
-    per_node = monitor.world_size // max(monitor.num_nodes, 1)
-    for node in monitor.lost_nodes:
-        host = monitor.node_hosts.get(node, "")
+    per_node = state.world_size // max(state.num_nodes, 1)
+    for node in state.lost_nodes:
+        host = state.node_hosts.get(node, "")
         for rank in range(node * per_node, (node + 1) * per_node):
             failures.setdefault(
                 rank,
@@ -439,8 +320,7 @@ def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
                 ),
             )
     if failures:
-        order = monitor.root_cause_order(set(failures)) or sorted(failures)
-        failed = WorkerFailedError(failures, failures[order[0]])
+        failed = WorkerFailedError(failures, failures[_root_of(failures, monitor, {})])
         failed.__cause__ = error
         return failed
     cluster = ClusterError(
@@ -459,10 +339,7 @@ def result_of(
     placement: Placement,
 ) -> RunResult:
     by_rank = {o.rank: o for o in outcomes}
-    failures = {o.rank: o.failure for o in outcomes if o.failure and not o.aborted}
-    if not failures:
-        # Nobody failed on their own, yet some rank has no value: report the stopped ones.
-        failures = {o.rank: o.failure for o in outcomes if o.failure}
+    failures = {o.rank: o.failure for o in outcomes if o.failure}
     missing = sorted(set(range(placement.world_size)) - set(by_rank))
     if failures or missing:
         for rank in missing:
@@ -491,40 +368,38 @@ def result_of(
 def _failure_error(
     failures: dict[int, RankFailure], monitor: RunMonitor, by_rank: dict[int, Outcome]
 ) -> WorkerFailedError:
-    # First failure the driver heard of; failing that, the earliest exit its agent saw. A
-    # rank that merely lost its peer in a collective is a symptom: when one rank dies, its
-    # peers' "connection reset" can reach the driver first.
-    heard = monitor.root_cause_order(set(failures))
-    by_time = sorted(
-        failures, key=lambda r: (by_rank[r].ended_at if r in by_rank else float("inf"), r)
-    )
-    order = heard + [r for r in by_time if r not in heard]
-    causes = [r for r in order if not _is_peer_loss(failures[r])]
-    root_rank = (causes or order)[0]
-    error = WorkerFailedError(failures, failures[root_rank])
-    original = failures[root_rank].exception_bytes
+    # Ranks sparkdist stopped because the run was ending are consequences, reported only
+    # when nobody failed on their own.
+    own = {r: f for r, f in failures.items() if not (r in by_rank and by_rank[r].aborted)}
+    failures = own or failures
+    error = WorkerFailedError(failures, failures[_root_of(failures, monitor, by_rank)])
+    original = error.root_cause.exception_bytes
     if original is not None:
         try:
             cause = loads(original)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the exception's class may not exist here
             cause = None
         if isinstance(cause, BaseException):
             error.__cause__ = cause
     return error
 
 
-_PEER_LOSS = re.compile(
-    r"Connection (reset|closed) by peer|Broken pipe|remote worker|communicator was aborted|"
-    r"DistNetworkError|DistBackendError|Socket Timeout|Connection refused|"
-    r"gloo/transport|ProcessGroupGloo|ProcessGroupNCCL|NCCL error|recvBytes|sendBytes",
-    re.IGNORECASE,
-)
-
-
-def _is_peer_loss(failure: RankFailure) -> bool:
-    """Whether a failure reads like the echo of another rank's death in a collective."""
-    return bool(_PEER_LOSS.search(f"{failure.exc_type} {failure.message}"))
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
+def _root_of(
+    failures: Mapping[int, RankFailure], monitor: RunMonitor, by_rank: Mapping[int, Outcome]
+) -> int:
+    """The root cause among ``failures``, by the ranks' own timestamps (``root_cause``)."""
+    state = monitor.state
+    timings = []
+    for rank, failure in failures.items():
+        outcome = by_rank.get(rank)
+        ended_at = outcome.ended_at if outcome is not None else 0.0
+        timings.append(
+            FailureTiming(
+                rank=rank,
+                failed_at=failure.failed_at,
+                ended_at=ended_at or state.failure_seen_at.get(rank, 0.0),
+                aborted=outcome.aborted if outcome is not None else False,
+                hung_since=state.hung_since.get(rank),
+            )
+        )
+    return root_cause(timings)

@@ -90,6 +90,7 @@ def _failure_of(
             traceback=recorded.traceback,
             last_lines=last,
             exception_bytes=recorded.exception_bytes,
+            failed_at=getattr(recorded, "failed_at", None),  # None from an older worker
         )
     message = describe_exit(code)
     if rank.hung_for_s is not None:

@@ -28,6 +28,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import traceback
 import weakref
 from types import TracebackType
@@ -246,6 +247,7 @@ def _exit_code_of(exc: BaseException) -> int:
 
 
 def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) -> None:
+    failed_at = time.time()  # first: the root cause is the rank that failed earliest
     exc_type = type(exc)
     if isinstance(exc, SystemExit):
         message = f"exited with code {code}"
@@ -267,6 +269,7 @@ def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) ->
         message=message,
         traceback=text,
         exception_bytes=_try_dumps(exc),
+        failed_at=failed_at,
     )
     _write_atomically(failure_path(result_dir, rank), _dumps(failure))
 

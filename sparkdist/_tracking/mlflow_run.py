@@ -41,7 +41,7 @@ from sparkdist._core.env import (
 )
 from sparkdist._core.errors import WorkerFailedError
 from sparkdist._core.placement import Placement
-from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_store import (
     DEFAULT_TRACKING_URI,
     caller_context,
@@ -83,7 +83,7 @@ class MlflowRun:
         self._context = caller_context()
         self._cond = threading.Condition()
         self._env: dict[str, str] | None = None  # None until the rendezvous may go
-        self._waiting: list[RunMonitor] = []
+        self._waiting: list[AttemptHooks] = []
         self._queue: collections.deque[tuple[int, int, dict[str, float]]] = collections.deque(
             maxlen=MAX_QUEUED_REPORTS
         )
@@ -102,7 +102,7 @@ class MlflowRun:
 
     # -- called by the launcher and the reader threads ---------------------------------------
 
-    def hold(self, monitor: RunMonitor) -> None:
+    def hold(self, monitor: AttemptHooks) -> None:
         """Hold ``monitor``'s rendezvous until the MLflow run is ready (or tracking is off)."""
         with self._cond:
             env = self._env

@@ -22,7 +22,7 @@ from typing import Any
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
-from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_run import MlflowRun
 from sparkdist._tracking.mlflow_store import TRACKING_VAR, tracking_wanted
 from sparkdist._tracking.progress import ProgressDisplay
@@ -43,7 +43,7 @@ class RunTracker:
         self._reports = 0
         self._last_step: int | None = None
         self._catching_up = False  # a lower rank took over: skip the steps already taken
-        self._monitor: RunMonitor | None = None
+        self._monitor: AttemptHooks | None = None
         self._attempts = 0
         self._mlflow = (
             MlflowRun(config, placement, run_id, self.display)
@@ -51,7 +51,7 @@ class RunTracker:
             else None
         )
 
-    def attach(self, monitor: RunMonitor) -> None:
+    def attach(self, monitor: AttemptHooks) -> None:
         """Wire one attempt's monitor: reports come here, its rendezvous waits for MLflow."""
         monitor.on_report = self.on_report
         monitor.output_guard = self.display.output_guard

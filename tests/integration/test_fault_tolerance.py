@@ -173,9 +173,9 @@ def test_training_finishes_when_the_drivers_channel_goes_away():
             time.sleep(0.05)
         return "finished"
 
-    run = Launch(LaunchConfig(2, use_gpu=False), make_job(steady, (), {}))
+    run = Launch(LaunchConfig(num_processes=2, use_gpu=False), make_job(steady, (), {}))
     deadline = time.monotonic() + 60
-    while len(run._attempt.monitor.joined) < 2 and time.monotonic() < deadline:
+    while len(run._attempt.monitor.state.joined) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     run._attempt.server.close()  # the driver side of the channel is gone mid-run
     result = run.result(timeout=60)

@@ -97,10 +97,10 @@ def test_killed_executor_jvm_fails_the_run_and_leaves_nothing(spark_cluster):
 
         time.sleep(120)
 
-    run = Launch(LaunchConfig(2, local_mode=False, use_gpu=False, timeout_s=100),
+    run = Launch(LaunchConfig(num_processes=2, local_mode=False, use_gpu=False, timeout_s=100),
                  make_job(sleepy, (), {}), session=spark_cluster)
     deadline = time.monotonic() + 60
-    while len(run._attempt.monitor.joined) < 2 and time.monotonic() < deadline:
+    while len(run._attempt.monitor.state.joined) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     executors = [
         p for p in psutil.process_iter(["cmdline"])

@@ -205,7 +205,6 @@ def test_goodbyes_expected_after_the_agents_ended():
     state = new_state(nodes=3)
     state.handle(NodeHello(0, "a"), T0)
     assert state.expected_goodbyes() == 1  # only nodes that reached the channel say bye
-    state.handle(RankFailed(0), T0)
     state.handle(AgentsEnded(failed=True), T0)
     assert state.expected_goodbyes() == 3  # a failed stage: wait for every node's drain
 

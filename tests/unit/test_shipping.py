@@ -31,6 +31,7 @@ from sparkdist._core.versions import (
     unmet_requirements,
     versions_match,
 )
+from sparkdist._core.run_state import Deadlines
 from sparkdist._engine.supervisor import RunMonitor
 from sparkdist._shipping.code import (
     ModuleRecorder,
@@ -232,15 +233,15 @@ def test_unmet_requirements_name_host_wanted_and_found():
 
 
 def test_every_nodes_refusal_makes_one_table():
-    monitor = RunMonitor(world_size=3, num_nodes=3)
+    monitor = RunMonitor(3, 3, Deadlines(start_timeout_s=60.0))
     for node, host in ((0, "hostA"), (1, "hostB")):
         monitor.on_message(None, {  # type: ignore[arg-type]
             "t": "refused", "node": node, "host": host, "reason": None,
             "rows": [[host, "torch", "2.4.0 (driver)", "2.3.1"]],
         })
     monitor.on_message(None, {"t": "refused", "node": 2, "reason": "host C has no H100"})  # type: ignore[arg-type]
-    assert monitor.abort_reason == "host hostA lacks the package versions the run needs (torch)"
-    text = refusal_message(monitor.refusals, monitor.num_nodes)
+    assert monitor.state.stop_reason == "host hostA lacks the package versions the run needs (torch)"
+    text = refusal_message(monitor.refusals, monitor.state.num_nodes)
     assert text.startswith("the hosts that would run the ranks do not have the packages")
     assert "no rank process was started" in text
     table = [line for line in text.splitlines() if "torch" in line]

@@ -1,0 +1,113 @@
+"""Spark mode: one agent per task of a barrier stage, on a classic session or Spark Connect.
+
+The session's conf decides the placement (one task per rank, or k ranks per task with k GPUs
+per task); the executors' slots are waited for (up to ``start_timeout_s``); the driver's host
+is where agents reach the control channel. A Spark Connect session differs only in how the
+conf is read and how the stage is shaped (``stage``); ``ConnectBackend`` names it.
+
+Non-goals: the barrier task (``stage``), the driver's Spark queries (``spark_driver``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sparkdist._backends import spark_driver
+from sparkdist._backends.base import RunningAgents
+from sparkdist._backends.stage import BarrierStage
+from sparkdist._core.config import LaunchConfig
+from sparkdist._core.env import CONTROL_CHANNEL_VAR
+from sparkdist._core.placement import (
+    TORCH_IGNORE_SSL_KEY,
+    Placement,
+    check_cluster_conf,
+    place_on_cluster,
+)
+from sparkdist._core.plan import BackendKind
+from sparkdist._core.versions import Requirement
+from sparkdist._node.agent import AgentSpec
+from sparkdist._wire.payload import loads
+
+logger = logging.getLogger("sparkdist")
+
+_warned: set[str] = set()
+
+
+class SparkBackend:
+    """Ranks as the tasks of one Spark barrier stage on a classic session."""
+
+    kind = BackendKind.SPARK
+    ships_large_jobs = True
+
+    def __init__(
+        self,
+        session: Any | None,
+        *,
+        ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+        dataframe: Any | None = None,
+    ) -> None:
+        if session is None and dataframe is not None:
+            session = dataframe.sparkSession
+        self.session = session if session is not None else spark_driver.get_or_create_session()
+        self.dataframe = dataframe
+        self._ignore_ssl_key = ignore_ssl_key
+        self.driver_host = ""
+
+    def place(self, config: LaunchConfig) -> Placement:
+        conf = spark_driver.spark_conf(self.session)
+        for warning in check_cluster_conf(conf, self._ignore_ssl_key):
+            _warn_once(warning)
+        placement = place_on_cluster(config, conf)
+        spark_driver.wait_for_barrier_slots(
+            self.session, placement.num_tasks, config.start_timeout_s
+        )
+        self.driver_host = spark_driver.driver_host(self.session)
+        return placement
+
+    def requirements(
+        self, config: LaunchConfig, wanted: Sequence[Requirement]
+    ) -> tuple[Requirement, ...]:
+        return tuple(wanted)  # every agent checks its own interpreter before it spawns
+
+    def rank_env(self, config: LaunchConfig) -> dict[str, str]:
+        return {}
+
+    def visible_code_dirs(self) -> Sequence[str]:
+        return ()
+
+    def channel_port(self, server_port: int) -> int:
+        """0 tells the agents to run detached when ``SPARKDIST_CONTROL_CHANNEL=off`` says
+        the executors cannot reach this process; they rendezvous through Spark instead."""
+        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
+        return 0 if off else server_port
+
+    def start(
+        self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]
+    ) -> RunningAgents:
+        stage = BarrierStage(
+            self.session, template, placement.num_tasks, placement.use_gpu, self.dataframe
+        )
+        return RunningAgents(
+            f"sparkdist-run-{template.run_id}",
+            lambda: [loads(row) for row in stage.collect()],
+            on_done,
+            cancel=stage.cancel,
+            goodbye_before_cancel=True,
+        )
+
+
+class ConnectBackend(SparkBackend):
+    """The same stage through a Spark Connect session (``mapInArrow``; conf read key by key;
+    slots estimated from the conf; ``allGather`` when the driver's channel is unreachable)."""
+
+    kind = BackendKind.CONNECT
+
+
+def _warn_once(message: str) -> None:
+    """Cluster-wide concerns are said once per driver process, not on every run."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("sparkdist: %s", message)
