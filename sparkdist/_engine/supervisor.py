@@ -1,11 +1,9 @@
 """Supervising a started attempt: feed the run state machine, carry out its decisions, and turn
 outcomes into a result or an error.
 
-``RunMonitor`` adapts the control channel to ``_core.run_state.RunState``: each message becomes
-an event, each decision an action (broadcast the rendezvous, broadcast an abort, cancel the
-agents). ``supervise`` runs on the launch's supervisor thread: it ticks the machine at its
-deadlines until the agents' side ended, then collects the outcomes. Which rank failed first is
-decided by ``run_state.root_cause`` from the ranks' own timestamps.
+``RunMonitor`` adapts the channel to ``_core.run_state.RunState`` (messages become events,
+decisions become actions); ``supervise`` ticks the machine at its deadlines until the agents'
+side ended. The root cause comes from ``run_state.root_cause`` (the ranks' own timestamps).
 
 Non-goals: placement and argument handling (``launch``), how agents start (``_backends``).
 """

@@ -230,9 +230,11 @@ class MlflowRun:
         )
 
     def _log_launch(self, client: Any, run: Any, owned: bool) -> None:
+        from importlib.metadata import version
+
         from mlflow.entities import Param, RunTag
 
-        from sparkdist import __version__
+        __version__ = version("sparkdist")  # the package metadata: its one definition
 
         config, placement = self._config, self._placement
         params: dict[str, Any] = {
