@@ -65,9 +65,8 @@ logger = logging.getLogger("sparkdist")
 
 #: After an abort, how long the driver waits for every agent to confirm its ranks are gone.
 ABORT_GRACE_S = 60.0
-#: After an abort, how long the agents that reached the channel get to end their ranks and say
-#: bye before the agents' side is cancelled (a Spark task cancelled first may have its Python
-#: worker SIGKILLed half-way, and its ranks then end themselves, less thoroughly).
+#: After an abort, how long connected agents get to end their ranks and say bye before the
+#: agents' side is cancelled (a Spark task cancelled first may be killed half-way).
 AGENT_STOP_S = 5.0
 #: How long the driver waits for the agents' last output lines after the run ends.
 OUTPUT_DRAIN_S = 5.0
@@ -108,13 +107,8 @@ class RunMonitor:
         if expects_rows:  # DataFrame input: the rendezvous waits for every rank's row count
             self.handle(HoldRendezvous())
 
-    @property
-    def node_hosts(self) -> Mapping[int, str]:
-        return self.state.node_hosts
-
-    @property
-    def dropped(self) -> int:
-        return self.state.dropped_lines
+    node_hosts = property(lambda self: self.state.node_hosts)
+    dropped = property(lambda self: self.state.dropped_lines)
 
     # -- channel callbacks ----------------------------------------------------------------------
 
