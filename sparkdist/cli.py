@@ -4,9 +4,10 @@
 tasks, and exits with the exit code of the rank that failed first, so job schedulers see
 failures; ``sparkdist doctor`` says whether this machine is ready and what to fix.
 
-The CLI only parses: arguments become a ``RunRequest``, which ``execute`` hands to
-``Distributor``. It prints (rank output is printed by the engine as ``[rank N] line``); library
-modules never do.
+The CLI only parses: arguments become a ``RunRequest`` (the run's ``LaunchConfig``, built by
+``build_config`` from the flags generated off ``_core.config.OPTIONS``, plus the script and the
+Spark master), which ``execute`` hands to ``Distributor``. It prints (rank output is printed by
+the engine as ``[rank N] line``); library modules never do.
 
 Exit codes of ``run``: 0 when every rank succeeded; the exit code of the rank that failed first
 (128+N when signal N killed it); 124 when ``--timeout`` passed; 130 after Ctrl-C; 2 for bad
@@ -24,14 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparkdist._core.config import Mode, load_deepspeed_config
+from sparkdist._core.config import OPTION_NAMES, LaunchConfig, Mode, build_config
 from sparkdist._core.errors import (
     ConfigError,
     RunTimeoutError,
     SparkdistError,
     WorkerFailedError,
 )
-from sparkdist._frontdoors.cli_parser import build_parser, script_args
+from sparkdist._frontdoors.cli_parser import build_parser, cli_flag, script_args
 
 if TYPE_CHECKING:
     from sparkdist.distributor import Distributor
@@ -47,36 +48,20 @@ class RunRequest:
     """A parsed ``sparkdist run``: everything ``execute`` needs, already validated.
 
     Attributes:
-        num_processes: the world size.
         target: the script path, or the module name when ``module`` is True.
+        config: the run's launch configuration (every launch option, checked).
         module: run ``target`` as ``python -m target``.
         script_args: the script's command-line arguments.
-        mode: the launch mode's name.
         master: the Spark master URL, or None to run on this machine.
         spark_conf: Spark conf for the session started on ``master``.
-        use_gpu: False for ``--cpu``, None to use GPUs where there are any.
-        timeout_s: limit for the whole run, or None.
-        start_timeout_s: limit for every rank to join, or None for the library's default.
-        env: extra environment of every rank.
-        deepspeed_config: the path of the DeepSpeed JSON config (mode "deepspeed"), or None.
-        max_restarts: how many times the whole world is restarted after a failure.
-        gpu_type: the GPU model every rank's host must have ("H100"...), or None.
     """
 
-    num_processes: int
     target: str
+    config: LaunchConfig = field(default_factory=LaunchConfig)
     module: bool = False
     script_args: tuple[str, ...] = ()
-    mode: str = Mode.DDP.value
     master: str | None = None
     spark_conf: dict[str, str] = field(default_factory=dict)
-    use_gpu: bool | None = None
-    timeout_s: float | None = None
-    start_timeout_s: float | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    deepspeed_config: str | None = None
-    max_restarts: int = 0
-    gpu_type: str | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,64 +100,55 @@ def run_request(args: argparse.Namespace) -> RunRequest:
             "--conf sets the Spark conf of the session started on --master, but the run is "
             "local; add --master URL, or drop --conf"
         )
-    env = dict(parse_assignment(item, "--env") for item in args.env)
     if not args.module and not os.path.isfile(args.target):
         raise ConfigError(
             f"the script {args.target!r} does not exist (from {os.getcwd()}); give its path, or "
             "pass -m to run a module"
         )
-    mode = args.mode
-    if args.deepspeed_config is not None:
-        if mode not in (None, Mode.DEEPSPEED.value):
+    # The flags generated from the table land under the options' own names, and only when given.
+    options: dict[str, Any] = {name: getattr(args, name) for name in OPTION_NAMES if name in args}
+    if "env" in options:
+        options["env"] = dict(parse_assignment(item, "--env") for item in options["env"])
+    if args.master is not None:
+        options["local_mode"] = False
+    if args.cpu:
+        options["use_gpu"] = False
+    if "deepspeed_config" in options:
+        mode = options.get("mode", Mode.DEEPSPEED.value)
+        if mode != Mode.DEEPSPEED.value:
             raise ConfigError(
                 f"--deepspeed-config applies to --mode deepspeed, not --mode {mode}; drop one"
             )
-        mode = Mode.DEEPSPEED.value
-        try:
-            load_deepspeed_config(args.deepspeed_config)  # refuse a bad file before any start
-        except ConfigError as exc:
-            raise ConfigError(f"--deepspeed-config: {exc}") from exc
+        options["mode"] = Mode.DEEPSPEED.value
+    try:
+        config = build_config(**options)  # every value checked before Spark or a rank starts
+    except ConfigError as exc:
+        raise type(exc)(_with_flag(str(exc))) from exc
     return RunRequest(
-        num_processes=args.num_processes,
         target=args.target,
+        config=config,
         module=args.module,
         script_args=script_args(args.script_args),
-        mode=mode or Mode.DDP.value,
         master=args.master,
         spark_conf=spark_conf,
-        use_gpu=False if args.cpu else None,
-        timeout_s=args.timeout,
-        start_timeout_s=args.start_timeout,
-        env=env,
-        deepspeed_config=args.deepspeed_config,
-        max_restarts=args.max_restarts,
-        gpu_type=args.gpu_type,
     )
+
+
+def _with_flag(message: str) -> str:
+    """Say which flag a refused option came from: "--env: env sets RANK, ..."."""
+    for name in OPTION_NAMES:
+        if message.startswith(f"{name}: "):
+            return f"{cli_flag(name)}: {message[len(name) + 2 :]}"
+        if message.startswith(name) and message[len(name) : len(name) + 1] in (" ", "=", "["):
+            return f"{cli_flag(name)}: {message}"
+    return message
 
 
 def make_distributor(request: RunRequest) -> Distributor:
-    """The Distributor for a request, its config validated (no session, nothing started).
-
-    Raises:
-        ConfigError: a value the library refuses (an unknown GPU type, say).
-    """
+    """The Distributor for a request's config (no session, nothing started)."""
     from sparkdist.distributor import Distributor
 
-    options: dict[str, Any] = {}
-    if request.start_timeout_s is not None:
-        options["start_timeout_s"] = request.start_timeout_s
-    return Distributor(
-        request.num_processes,
-        local_mode=request.master is None,
-        use_gpu=request.use_gpu,
-        mode=request.mode,
-        timeout_s=request.timeout_s,
-        env=request.env,
-        deepspeed_config=request.deepspeed_config,
-        max_restarts=request.max_restarts,
-        gpu_type=request.gpu_type,
-        **options,
-    )
+    return Distributor(**request.config.as_options())
 
 
 def execute(request: RunRequest) -> int:

@@ -23,16 +23,19 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from sparkdist._core.checks import check_launchable
 from sparkdist._core.config import (
+    DEFAULT_JOB_SIZE_LIMIT_MB,
+    DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
     LaunchConfig,
     Mode,
-    load_deepspeed_config,
+    build_config,
 )
-from sparkdist._core.errors import ConfigError, SparkdistError
+from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
 from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.placement import TASK_GPU_KEY
 from sparkdist._core.tracebacks import for_the_user
@@ -46,6 +49,9 @@ logger = logging.getLogger("sparkdist")
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+#: ``distributed``'s parameters that are not launch options under the table's names.
+_NOT_OPTIONS = frozenset({"gpus", "remote", "spark"})
 
 
 def distributed(
@@ -63,6 +69,10 @@ def distributed(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     heartbeat_timeout_s: float | None = None,
     mlflow: bool | None = None,
+    requirements: Sequence[str] | None = None,
+    job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
+    job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB,
+    allow_oversubscribe: bool = False,
     spark: Any | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
@@ -84,8 +94,9 @@ def distributed(
         mode: "ddp" (default), "fsdp" or "deepspeed".
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
-        env: extra environment variables for every rank.
-        deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow: as on
+        env: extra environment variables for every rank (not the ones sparkdist sets).
+        deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
+            requirements, job_size_warn_mb, job_size_limit_mb, allow_oversubscribe: as on
             ``Distributor``.
         spark: the SparkSession to use (default: the active one). It is not pickled with the
             function; an unpickled function uses the active session.
@@ -96,7 +107,8 @@ def distributed(
     Raises:
         ConfigError: an argument is wrong (``gpus < 1``, an unknown ``gpu_type``, ...), the
             decorator is used bare (``@distributed`` without ``gpus``), or the function is
-            already decorated.
+            already decorated; ``ConfigTypeError`` (also a ``TypeError``) for a value of the
+            wrong type, or a generator or ``async def`` function.
 
     Example:
         >>> from sparkdist import distributed, runtime
@@ -108,6 +120,9 @@ def distributed(
         >>> train.distributed(0.1)  # doctest: +SKIP
         [(0, 0.1), (1, 0.1)]
     """
+    # Every keyword but ``spark`` is an option of the table (``_core.config.OPTIONS``); gpus and
+    # remote are its num_processes and (not) local_mode, spelled as Databricks' API does.
+    options = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
     if callable(gpus):
         name = getattr(gpus, "__name__", "the function")
         raise ConfigError(
@@ -115,36 +130,19 @@ def distributed(
             f"def {name}, not a bare @distributed"
         )
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(
+        error = (
+            ConfigError if isinstance(gpus, int) and not isinstance(gpus, bool) else ConfigTypeError
+        )
+        raise error(
             f"gpus must be a positive integer (the total number of processes), got {gpus!r}; "
             "e.g. @distributed(gpus=2)"
         )
     if not isinstance(remote, bool):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"remote must be True (Spark barrier tasks) or False (processes on the driver), "
             f"got {remote!r}"
         )
-    model = GPUType.parse(gpu_type) if gpu_type is not None else None
-    if model is not None and use_gpu is False:
-        raise ConfigError(
-            f"gpu_type={model.value!r} asks for GPUs but use_gpu=False asks for CPU; drop one "
-            "of them"
-        )
-    config = LaunchConfig(
-        num_processes=gpus,
-        local_mode=not remote,
-        use_gpu=use_gpu,
-        mode=Mode.parse(mode),
-        timeout_s=timeout_s,
-        start_timeout_s=start_timeout_s,
-        env=dict(env or {}),
-        gpu_type=model.value if model is not None else None,
-        deepspeed_config=load_deepspeed_config(deepspeed_config),
-        max_restarts=max_restarts,
-        checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
-        heartbeat_timeout_s=heartbeat_timeout_s,
-        mlflow=mlflow,
-    )
+    config = build_config(num_processes=gpus, local_mode=not remote, **options)
 
     def decorate(fn: Callable[P, R]) -> DistributedFunction[P, R]:
         if isinstance(fn, DistributedFunction):
@@ -157,6 +155,7 @@ def distributed(
                 f"@distributed decorates a function, got {type(fn).__name__}; to run a script, "
                 "use sparkdist.Distributor(...).run('train.py', ...)"
             )
+        check_launchable(fn)  # a generator or async def function could never be launched
         return DistributedFunction(fn, config, spark)
 
     return decorate

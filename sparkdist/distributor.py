@@ -13,25 +13,25 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparkdist._core.checks import check_launchable
 from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
-    LaunchConfig,
     Mode,
-    load_deepspeed_config,
+    build_config,
 )
 from sparkdist._core.errors import ConfigError, SparkdistError
-from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
-from sparkdist._core.versions import parse_requirements
 from sparkdist._engine.launch import launch
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
 TrainObject = Callable[..., Any] | str | os.PathLike[str]
+#: ``Distributor.__init__``'s parameters that are not launch options.
+_NOT_OPTIONS = frozenset({"self", "spark"})
 
 
 class Distributor:
@@ -50,7 +50,9 @@ class Distributor:
         mode: "ddp" (default), "fsdp" or "deepspeed".
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
-        env: extra environment variables for every rank.
+        env: extra environment variables for every rank, names to strings; the variables
+            sparkdist sets itself (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+            ``CUDA_VISIBLE_DEVICES``, ``TORCHELASTIC_*``...) are refused.
         deepspeed_config: with mode="deepspeed", the DeepSpeed config as a dict or the path of
             a JSON file; every rank can read it (``runtime.deepspeed_config()``), and a script
             target gets ``--deepspeed --deepspeed_config <path>`` after its own arguments.
@@ -81,8 +83,15 @@ class Distributor:
             the Spark task.
         job_size_limit_mb: past this pickled size the launch fails with ``ConfigError``
             naming the largest captured objects.
+        allow_oversubscribe: allow more than 4 local CPU ranks per core of the driver (refused
+            otherwise, with ``ConfigError``, before anything starts). Local GPU ranks are
+            bounded by the driver's GPUs whatever this says.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
-            there is none, local mode needs none).
+            there is none, local mode needs none). A Spark Connect session works too.
+
+    Raises:
+        ConfigError: an option is refused, naming it, the value and what is accepted, before
+            anything starts (``ConfigTypeError``, also a ``TypeError``, for a wrong type).
 
     Example:
         >>> from sparkdist import Distributor
@@ -115,26 +124,13 @@ class Distributor:
         requirements: Sequence[str] | None = None,
         job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
         job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB,
+        allow_oversubscribe: bool = False,
         spark: Any | None = None,
     ) -> None:
-        self.config = LaunchConfig(
-            num_processes=num_processes,
-            local_mode=local_mode,
-            use_gpu=use_gpu,
-            mode=Mode.parse(mode),
-            timeout_s=timeout_s,
-            start_timeout_s=start_timeout_s,
-            env=dict(env or {}),
-            deepspeed_config=load_deepspeed_config(deepspeed_config),
-            max_restarts=max_restarts,
-            checkpoint_dir=os.fspath(checkpoint_dir) if checkpoint_dir is not None else None,
-            heartbeat_timeout_s=heartbeat_timeout_s,
-            gpu_type=None if gpu_type is None else str(GPUType.parse(gpu_type).value),
-            mlflow=mlflow,
-            requirements=parse_requirements(requirements),
-            job_size_warn_mb=job_size_warn_mb,
-            job_size_limit_mb=job_size_limit_mb,
-        )
+        # Every keyword but ``spark`` is an option of the table (``_core.config.OPTIONS``), under
+        # its own name: build_config checks and normalises them all, in one place.
+        options = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}
+        self.config = build_config(**options)
         self.spark = spark
         prewarm(self.config.mlflow)  # mlflow's imports overlap whatever comes before run()
 
@@ -171,6 +167,8 @@ class Distributor:
             What rank 0 returned (None for a script).
 
         Raises:
+            ConfigError: ``train_object`` is not usable, before anything starts (a generator
+                or ``async def`` function: ``ConfigTypeError``).
             WorkerFailedError: a rank raised, exited non-zero or was killed.
         """
         return self.run_all(train_object, *args, spark_dataframe=spark_dataframe, **kwargs).values[
@@ -297,6 +295,7 @@ def make_job(train_object: TrainObject, args: tuple[Any, ...], kwargs: dict[str,
             kind=TargetKind.SCRIPT, target=str(path.resolve()), argv=tuple(str(a) for a in args)
         )
     if callable(train_object):
+        check_launchable(train_object)
         return Job(kind=TargetKind.FUNCTION, fn=train_object, args=tuple(args), kwargs=kwargs)
     raise ConfigError(
         f"train_object must be a callable or the path of a Python script, got "

@@ -53,7 +53,7 @@ from sparkdist._frontdoors import pytest_support as support
 if TYPE_CHECKING:
     from sparkdist._core.result import RunResult
 
-__all__ = ["DistributedRunner"]
+__all__ = ["DistributedRunner", "RunnerFactory"]
 
 MODES = ("local", "spark")
 #: How long past its timeout_s a run may take to stop before the runner gives up on it.
@@ -274,7 +274,7 @@ def no_rank_leftovers_fixture(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(name="distributed")
 def distributed_fixture(
     request: pytest.FixtureRequest, no_rank_leftovers: None
-) -> Iterator[Callable[..., DistributedRunner]]:
+) -> Iterator[RunnerFactory]:
     """A factory of runners: ``run = distributed(n=2)``, then ``run(fn, *args, **kwargs)``.
 
     ``distributed(n=None, *, timeout_s=None, use_gpu=None, local_mode=None, **options)``:
@@ -286,6 +286,7 @@ def distributed_fixture(
     - ``local_mode``: default True, False under ``--sparkdist-mode=spark`` or ``spark_cluster``.
     - ``options``: any other ``Distributor`` option (``mode``, ``env``, ``heartbeat_timeout_s``,
       ``max_restarts``...); ``mlflow`` defaults to False here (pass True to track the run).
+      The session is the ``spark`` fixture's, so there is no ``spark=``.
     """
     state = request.config.stash[_STATE]
     node = request.node
@@ -294,34 +295,16 @@ def distributed_fixture(
     spark_mode = state.mode == "spark" or node.get_closest_marker("spark_cluster") is not None
     if spark_mode:
         request.getfixturevalue("spark")  # start Spark in the set-up, not inside a run's time
-    runners: list[DistributedRunner] = []
-
-    def make(
-        n: int | None = None,
-        *,
-        timeout_s: float | None = None,
-        use_gpu: bool | None = None,
-        local_mode: bool | None = None,
-        **options: Any,
-    ) -> DistributedRunner:
-        if n is None:
-            n = support.gpu_marker_count(multi.args, multi.kwargs) if multi else 2
-        if local_mode is None:
-            local_mode = not spark_mode
-        runner = DistributedRunner(
-            n,
-            local_mode=local_mode,
-            spark=None if local_mode else request.getfixturevalue("spark"),
-            timeout_s=state.timeout_s if timeout_s is None else timeout_s,
-            use_gpu=(gpu_marked or multi is not None) if use_gpu is None else use_gpu,
-            session_marker=state.session_marker,
-            options=options,
-        )
-        runners.append(runner)
-        return runner
-
-    yield make
-    run_ids = [run_id for runner in runners for run_id in runner.run_ids]
+    factory = RunnerFactory(
+        num_processes=support.gpu_marker_count(multi.args, multi.kwargs) if multi else 2,
+        timeout_s=state.timeout_s,
+        use_gpu=gpu_marked or multi is not None,
+        local_mode=not spark_mode,
+        session_marker=state.session_marker,
+        spark=lambda: request.getfixturevalue("spark"),
+    )
+    yield factory
+    run_ids = [run_id for runner in factory.runners for run_id in runner.run_ids]
     deadline = time.monotonic() + support.LEFTOVER_GRACE_S
     while support.run_directories(run_ids) and time.monotonic() < deadline:
         time.sleep(0.05)  # an agent on an executor may still be removing its directory
@@ -333,6 +316,73 @@ def distributed_fixture(
 # -- the runner ------------------------------------------------------------------------------
 
 
+class RunnerFactory:
+    """What the ``distributed`` fixture returns: ``distributed(n=2, **options)`` makes a runner.
+
+    The fixture's own defaults (a test's world, time limit, CPU or GPU, local or Spark mode)
+    come from the test's markers and the session's options; every other launch option is
+    ``Distributor``'s, under its own name, checked by ``build_config``.
+
+    Attributes:
+        num_processes, timeout_s, use_gpu, local_mode: the fixture's defaults for this test.
+        runners: every runner made so far, oldest first.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_processes: int,
+        timeout_s: float,
+        use_gpu: bool,
+        local_mode: bool,
+        session_marker: str,
+        spark: Callable[[], Any],
+    ) -> None:
+        self.num_processes = num_processes
+        self.timeout_s = timeout_s
+        self.use_gpu = use_gpu
+        self.local_mode = local_mode
+        self._session_marker = session_marker
+        self._spark = spark
+        self.runners: list[DistributedRunner] = []
+
+    def __call__(
+        self,
+        n: int | None = None,
+        *,
+        timeout_s: float | None = None,
+        use_gpu: bool | None = None,
+        local_mode: bool | None = None,
+        **options: Any,
+    ) -> DistributedRunner:
+        """A runner of ``n`` ranks; None keeps the fixture's default of each argument."""
+        from sparkdist._core.errors import ConfigTypeError
+
+        for name, instead in _SPELLED_OTHERWISE.items():
+            if name in options:
+                raise ConfigTypeError(f"distributed(...) does not take {name}=: {instead}")
+        local_mode = self.local_mode if local_mode is None else local_mode
+        runner = DistributedRunner(
+            self.num_processes if n is None else n,
+            local_mode=local_mode,
+            spark=None if local_mode else self._spark(),
+            timeout_s=self.timeout_s if timeout_s is None else timeout_s,
+            use_gpu=self.use_gpu if use_gpu is None else use_gpu,
+            session_marker=self._session_marker,
+            options=options,
+        )
+        self.runners.append(runner)
+        return runner
+
+
+#: Options the fixture spells its own way, and what to write instead.
+_SPELLED_OTHERWISE = {
+    "num_processes": "the world size is n, e.g. distributed(n=4)",
+    "spark": "runs in Spark mode use the spark fixture's session (--sparkdist-spark-master "
+    "chooses its master)",
+}
+
+
 class DistributedRunner:
     """``run(fn, *args, **kwargs)``: every rank's return value, as a list ordered by rank.
 
@@ -340,6 +390,8 @@ class DistributedRunner:
     ``timeout_s`` as its limit (``RunTimeoutError`` once it passes, every rank stopped).
 
     Attributes:
+        config: the launch configuration of every run.
+        spark: the session of Spark-mode runs (None in local mode).
         num_processes: the world size.
         local_mode: True when ranks run as processes of this machine's pytest process; False
             when they run as one Spark barrier stage.
@@ -358,21 +410,23 @@ class DistributedRunner:
         session_marker: str,
         options: Mapping[str, Any],
     ) -> None:
-        from sparkdist.distributor import Distributor
+        from sparkdist._core.config import build_config
+        from sparkdist._core.env import check_user_env
 
-        env = {**dict(options.get("env") or {}), support.SESSION_MARKER_VAR: session_marker}
+        env = check_user_env(options.get("env") or {})  # the user's env, checked as theirs
+        env[support.SESSION_MARKER_VAR] = session_marker
         # Tests track to MLflow only when they ask to (mlflow=True): no mlflow.db in the
         # working directory, no MLflow start-up in every test.
         options = {"mlflow": False, **options, "env": env}
-        # Distributor validates every option (and refuses unknown ones) before anything starts.
-        self._distributor = Distributor(
-            num_processes,
+        # build_config checks every option (and refuses unknown ones) before anything starts.
+        self.config = build_config(
+            num_processes=num_processes,
             local_mode=local_mode,
             use_gpu=use_gpu,
             timeout_s=timeout_s,
-            spark=spark,
             **options,
         )
+        self.spark = spark
         self.num_processes = num_processes
         self.local_mode = local_mode
         self.timeout_s = timeout_s
@@ -391,10 +445,7 @@ class DistributedRunner:
         from sparkdist._engine.launch import Launch
         from sparkdist.distributor import make_job
 
-        distributor = self._distributor
-        run = Launch(
-            distributor.config, make_job(train_object, args, kwargs), session=distributor.spark
-        )
+        run = Launch(self.config, make_job(train_object, args, kwargs), session=self.spark)
         self.run_ids.append(run.run_id)
         try:
             # The engine enforces timeout_s itself; the margin only guards against a stop

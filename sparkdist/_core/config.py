@@ -1,19 +1,42 @@
-"""Launch configuration: one frozen record, validated once, before anything starts.
+"""Launch configuration: one table of options, one frozen record, validated once.
 
-Non-goals: reading Spark conf (that is ``_placement``) or choosing GPUs (also ``_placement``).
+Every front door (``Distributor``, ``@distributed``, ``sparkdist run``, the pytest plugin's
+``distributed`` fixture) spells the options its own way and hands them, under their names
+here, to ``build_config``: the one place where user-facing values (a mode's name, a DeepSpeed
+config file, ``env=None``...) become a ``LaunchConfig``, which checks everything before any
+process starts. ``OPTIONS`` is the one definition of each option (name, default, one-line
+help, the command line's spelling): the CLI's flags and help are generated from it, and
+``tests/unit/test_front_door_parity.py`` fails when a door offers, names or defaults an option
+differently.
+
+Non-goals: reading Spark conf or choosing GPUs (``placement``); the rank's environment
+(``env``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-import json
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdist._core.errors import ConfigError
+from sparkdist._core.checks import (
+    CPU_OVERSUBSCRIBE_FACTOR,
+    check_bool,
+    check_job_sizes,
+    check_local_cpu_ranks,
+    check_path,
+    check_positive_int,
+    check_positive_seconds,
+    load_deepspeed_config,
+    requirement_list,
+    shown,
+)
+from sparkdist._core.env import check_user_env
+from sparkdist._core.errors import ConfigError, ConfigTypeError
+from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.versions import parse_requirements
 
 #: Seconds a rank may take from spawn to joining the rendezvous before the run is aborted.
@@ -41,12 +64,16 @@ class Mode(str, enum.Enum):
             except ValueError:
                 pass
         choices = ", ".join(repr(m.value) for m in cls)
-        raise ConfigError(f"mode={value!r} is not a launch mode; use one of {choices}")
+        error = ConfigError if isinstance(value, str) else ConfigTypeError
+        raise error(f"mode={value!r} is not a launch mode; use one of {choices}")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """Everything that decides how a run is launched, already validated.
+
+    Build it with ``build_config`` from user-facing values; each attribute is the option of the
+    same name in ``OPTIONS`` (see there, and ``Distributor``, for what it does).
 
     Attributes:
         num_processes: total number of ranks (the world size).
@@ -56,23 +83,25 @@ class LaunchConfig:
         mode: the launch mode.
         timeout_s: wall-clock limit for the whole run, or None for no limit.
         start_timeout_s: how long every rank may take to join the rendezvous.
-        env: extra environment variables for every rank.
+        env: extra environment variables for every rank (none the launcher sets itself).
         gpu_type: when set, every rank's GPU must be of this type ("H100", "A10"...), checked
             on the hosts that run the ranks before any rank starts.
         deepspeed_config: the DeepSpeed config (already parsed; see ``load_deepspeed_config``),
             only with mode "deepspeed".
         max_restarts: how many times a failed run is restarted, whole world at once.
-        checkpoint_dir: a directory every rank can reach (shared storage on a cluster), for
-            ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
+        checkpoint_dir: an absolute directory path every rank can reach (shared storage on a
+            cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
         heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
             joined) is declared hung: its stack is dumped into its output and the run stops.
         mlflow: True/False turns MLflow tracking on/off; None follows SPARKDIST_MLFLOW (on
             unless it is 0).
         requirements: packages every host that runs ranks must have, as "name" (the driver's
-            version) or "name==version"; checked before any rank starts (``_versions``).
+            version) or "name==version"; checked before any rank starts (``versions``).
         job_size_warn_mb: a pickled job past this size gets a warning naming its largest
-            captured objects, and travels as a file in Spark mode (``_captures``).
+            captured objects, and travels as a file in Spark mode (``captures``).
         job_size_limit_mb: a pickled job past this size is refused (``ConfigError``).
+        allow_oversubscribe: allow more local CPU ranks than ``CPU_OVERSUBSCRIBE_FACTOR`` per
+            core of the driver.
     """
 
     num_processes: int = 1
@@ -91,54 +120,68 @@ class LaunchConfig:
     requirements: tuple[str, ...] = ()
     job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB
     job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB
+    allow_oversubscribe: bool = False
 
     def __post_init__(self) -> None:
-        _check_positive_int("num_processes", self.num_processes)
-        for name in ("local_mode",):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.use_gpu is not None and not isinstance(self.use_gpu, bool):
-            raise ConfigError(f"use_gpu must be True, False or None, got {self.use_gpu!r}")
-        object.__setattr__(self, "mode", Mode.parse(self.mode))
+        check_positive_int("num_processes", self.num_processes)
+        for name in ("local_mode", "allow_oversubscribe"):
+            check_bool(name, getattr(self, name), optional=False)
+        for name in ("use_gpu", "mlflow"):
+            check_bool(name, getattr(self, name), optional=True)
+        self._set("mode", Mode.parse(self.mode))
         if self.timeout_s is not None:
-            _check_positive_seconds("timeout_s", self.timeout_s)
-        _check_positive_seconds("start_timeout_s", self.start_timeout_s)
-        if not isinstance(self.env, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
-        ):
-            raise ConfigError("env must map environment variable names (str) to values (str)")
-        object.__setattr__(self, "env", dict(self.env))
+            check_positive_seconds("timeout_s", self.timeout_s)
+        check_positive_seconds("start_timeout_s", self.start_timeout_s)
+        self._set("env", check_user_env(self.env))
         if self.gpu_type is not None:
-            if not isinstance(self.gpu_type, str) or not self.gpu_type.strip():
+            self._set("gpu_type", str(GPUType.parse(self.gpu_type).value))
+            if self.use_gpu is False:
                 raise ConfigError(
-                    f"gpu_type must be a GPU model name such as 'H100', got {self.gpu_type!r}"
+                    f"gpu_type={self.gpu_type!r} asks for GPUs but use_gpu=False asks for CPU; "
+                    "drop one of them"
                 )
-            object.__setattr__(self, "gpu_type", self.gpu_type.strip().upper())
-        if (
-            isinstance(self.max_restarts, bool)
-            or not isinstance(self.max_restarts, int)
-            or (self.max_restarts < 0)
-        ):
-            raise ConfigError(
-                f"max_restarts must be a whole number >= 0, got {self.max_restarts!r}"
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int):
+            raise ConfigTypeError(
+                f"max_restarts must be a whole number >= 0, got {shown(self.max_restarts)}"
             )
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts must be a whole number >= 0, got {self.max_restarts}")
         if self.heartbeat_timeout_s is not None:
-            _check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
-        if self.mlflow is not None and not isinstance(self.mlflow, bool):
-            raise ConfigError(f"mlflow must be True, False or None, got {self.mlflow!r}")
+            check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
         if self.checkpoint_dir is not None:
-            if not isinstance(self.checkpoint_dir, (str, os.PathLike)):
-                raise ConfigError(
-                    f"checkpoint_dir must be a directory path, got {self.checkpoint_dir!r}"
-                )
-            object.__setattr__(self, "checkpoint_dir", os.path.abspath(self.checkpoint_dir))
-        if self.deepspeed_config is not None and self.mode is not Mode.DEEPSPEED:
-            raise ConfigError(
-                f"deepspeed_config was given with mode={self.mode.value!r}; pass "
-                "mode='deepspeed' (or drop deepspeed_config)"
+            self._set(
+                "checkpoint_dir",
+                os.path.abspath(
+                    check_path("checkpoint_dir", self.checkpoint_dir, "a directory path")
+                ),
             )
-        object.__setattr__(self, "requirements", parse_requirements(self.requirements))
-        _check_job_sizes(self.job_size_warn_mb, self.job_size_limit_mb)
+        if self.deepspeed_config is not None:
+            if not isinstance(self.deepspeed_config, Mapping):
+                raise ConfigTypeError(
+                    f"deepspeed_config must be a dict here (build_config reads a file path), "
+                    f"got {shown(self.deepspeed_config)}"
+                )
+            if self.mode is not Mode.DEEPSPEED:
+                raise ConfigError(
+                    f"deepspeed_config was given with mode={self.mode.value!r}; pass "
+                    "mode='deepspeed' (or drop deepspeed_config)"
+                )
+        self._set("requirements", parse_requirements(requirement_list(self.requirements)))
+        check_job_sizes(self.job_size_warn_mb, self.job_size_limit_mb)
+        check_local_cpu_ranks(
+            self.num_processes,
+            local_mode=self.local_mode,
+            use_gpu=self.use_gpu,
+            allow_oversubscribe=self.allow_oversubscribe,
+        )
+
+    def as_options(self) -> dict[str, Any]:
+        """The options, by name, that ``build_config`` (or ``Distributor``) turns back into an
+        equal config."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # normalising in __post_init__ of a frozen record
 
     def mode_settings(self) -> dict[str, Any]:
         """The mode's settings worth showing in logs and results."""
@@ -154,76 +197,224 @@ class LaunchConfig:
         return settings
 
 
-def load_deepspeed_config(
-    value: Mapping[str, Any] | str | os.PathLike[str] | None,
-) -> dict[str, Any] | None:
-    """Read and check a DeepSpeed config given as a dict or the path of a JSON file.
+# -- the options table ---------------------------------------------------------------------------
+
+
+class CliKind(enum.Enum):
+    """How ``sparkdist run`` reads an option from the command line."""
+
+    COUNT = "count"  # --flag N, a whole number >= 0
+    POSITIVE_COUNT = "positive count"  # --flag N, a whole number >= 1
+    SECONDS = "seconds"  # --flag SECONDS, a positive number
+    TEXT = "text"  # --flag VALUE, taken as it is
+    CHOICE = "choice"  # --flag NAME, one of CliSpelling.choices
+    ASSIGNMENTS = "assignments"  # --flag KEY=VALUE, repeatable, into a dict
+    TEXTS = "texts"  # --flag VALUE, repeatable, into a list
+    SWITCH = "switch"  # --flag / --no-flag: True / False; neither: the default
+    FLAG = "flag"  # --flag: True
+
+
+@dataclass(frozen=True)
+class CliSpelling:
+    """An option's flags on ``sparkdist run`` (generated by ``_frontdoors.cli_parser``).
+
+    Attributes:
+        flags: the flags, long one last ("-n", "--num-processes").
+        kind: how the value is read.
+        metavar: the value's placeholder in ``--help``.
+        choices: the accepted values, for ``CliKind.CHOICE``.
+        note: what the command line adds to the option's help.
+    """
+
+    flags: tuple[str, ...]
+    kind: CliKind
+    metavar: str | None = None
+    choices: tuple[str, ...] = ()
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One launch option: the ``LaunchConfig`` field, and how the front doors offer it.
+
+    Attributes:
+        name: the ``LaunchConfig`` field, and the keyword of ``Distributor``, ``@distributed``
+            and the pytest fixture (the decorator says ``gpus`` and ``remote`` for the first two).
+        help: one line saying what it does, for every door's help.
+        cli: its spelling on ``sparkdist run``, or None where the command line spells it by hand
+            (``--local``/``--master``, ``--cpu``) or does not offer it (see the parity test).
+        default_text: the default as ``--help`` says it, when the value alone would not.
+    """
+
+    name: str
+    help: str
+    cli: CliSpelling | None = None
+    default_text: str | None = None
+
+    @property
+    def default(self) -> Any:
+        """The default, as ``LaunchConfig`` defines it (the one definition)."""
+        return _FIELD_DEFAULTS[self.name]
+
+    def help_with_default(self) -> str:
+        """The help line with its default, as ``--help`` shows it."""
+        text = self.help + (f"; {self.cli.note}" if self.cli and self.cli.note else "")
+        said = self.default_text
+        default = self.default
+        if said is None and not (
+            default is None or isinstance(default, bool) or default in ((), {})
+        ):
+            if isinstance(default, enum.Enum):
+                said = str(default.value)
+            else:
+                said = f"{default:g}" if isinstance(default, float) else str(default)
+        return f"{text} (default: {said})" if said else text
+
+
+def _cli(*flags: str, kind: CliKind, metavar: str | None = None, **more: Any) -> CliSpelling:
+    return CliSpelling(flags=flags, kind=kind, metavar=metavar, **more)
+
+
+#: The one definition of every launch option, in the order ``--help`` lists them.
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        "num_processes",
+        "number of ranks (the world size), one per GPU where there are GPUs",
+        _cli("-n", "--num-processes", kind=CliKind.POSITIVE_COUNT, metavar="N"),
+    ),
+    Option(
+        "local_mode",
+        "run the ranks on this machine (True) or as one Spark barrier stage (False)",
+    ),
+    Option(
+        "use_gpu",
+        "one GPU per rank (True), CPU with gloo and every GPU hidden (False), or GPUs where "
+        "there are any (None)",
+    ),
+    Option(
+        "mode",
+        "how the ranks train: ddp, fsdp or deepspeed",
+        _cli(
+            "--mode",
+            kind=CliKind.CHOICE,
+            choices=tuple(m.value for m in Mode),
+            note="deepspeed when --deepspeed-config is given",
+        ),
+    ),
+    Option(
+        "timeout_s",
+        "stop every rank and fail the run after this many seconds",
+        _cli("--timeout", kind=CliKind.SECONDS, metavar="SECONDS", note="exit status 124"),
+        default_text="no limit",
+    ),
+    Option(
+        "start_timeout_s",
+        "fail when a rank has not joined the rendezvous within this many seconds",
+        _cli("--start-timeout", kind=CliKind.SECONDS, metavar="SECONDS"),
+    ),
+    Option(
+        "env",
+        "extra environment variables of every rank, but none sparkdist sets (RANK, MASTER_ADDR...)",
+        _cli("--env", kind=CliKind.ASSIGNMENTS, metavar="KEY=VALUE", note="repeatable"),
+    ),
+    Option(
+        "gpu_type",
+        "require this GPU model (H100, A100...) wherever ranks run; checked before any starts",
+        _cli("--gpu-type", kind=CliKind.TEXT, metavar="TYPE"),
+    ),
+    Option(
+        "deepspeed_config",
+        "the DeepSpeed config of mode deepspeed: a JSON file such as conf/deepspeed/zero2.json "
+        "(in Python, also a dict)",
+        _cli(
+            "--deepspeed-config", kind=CliKind.TEXT, metavar="FILE", note="implies --mode deepspeed"
+        ),
+    ),
+    Option(
+        "max_restarts",
+        "restart every rank up to this many times after a failure",
+        _cli("--max-restarts", kind=CliKind.COUNT, metavar="N"),
+    ),
+    Option(
+        "checkpoint_dir",
+        "directory every rank can reach, for runtime.save_checkpoint / load_checkpoint",
+        _cli("--checkpoint-dir", kind=CliKind.TEXT, metavar="DIR"),
+    ),
+    Option(
+        "heartbeat_timeout_s",
+        "declare a rank hung after this many seconds without runtime.report() or heartbeat()",
+        _cli("--heartbeat-timeout", kind=CliKind.SECONDS, metavar="SECONDS"),
+        default_text="never",
+    ),
+    Option(
+        "mlflow",
+        "track the run in MLflow, or not",
+        _cli("--mlflow", kind=CliKind.SWITCH),
+        default_text="on unless SPARKDIST_MLFLOW=0",
+    ),
+    Option(
+        "requirements",
+        "packages every host that runs ranks must have: 'numpy' (the driver's version) or "
+        "'pandas==2.2.0'",
+        _cli("--requirement", kind=CliKind.TEXTS, metavar="SPEC", note="repeatable"),
+    ),
+    Option(
+        "job_size_warn_mb",
+        "warn past this pickled job size in MB, naming its largest captured objects",
+    ),
+    Option(
+        "job_size_limit_mb",
+        "refuse a pickled job past this size in MB",
+    ),
+    Option(
+        "allow_oversubscribe",
+        f"allow more than {CPU_OVERSUBSCRIBE_FACTOR} local CPU ranks per core of this machine",
+        _cli("--allow-oversubscribe", kind=CliKind.FLAG),
+    ),
+)
+
+_FIELD_DEFAULTS: dict[str, Any] = {
+    f.name: f.default_factory() if callable(f.default_factory) else f.default
+    for f in dataclasses.fields(LaunchConfig)
+}
+#: Option names, in table order.
+OPTION_NAMES: tuple[str, ...] = tuple(row.name for row in OPTIONS)
+
+
+def option(name: str) -> Option:
+    """The table's row for ``name``."""
+    return _BY_NAME[name]
+
+
+_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def build_config(**options: Any) -> LaunchConfig:
+    """Turn user-facing option values (the table's names) into a validated ``LaunchConfig``.
+
+    Every front door calls this with the options it was given, under the table's names; an
+    option left out takes its default. What users write is accepted as the doors document it:
+    a mode's name in any case, a ``GPUType`` or its name, a DeepSpeed config file's path,
+    ``env=None``, ``requirements=None``, a path object for ``checkpoint_dir``.
 
     Raises:
-        ConfigError: the file is missing or unreadable, is not JSON, or is not a JSON object;
-            or the dict cannot be written as JSON.
+        ConfigTypeError: an unknown option, or a value of the wrong type.
+        ConfigError: a value out of range, or options that contradict each other.
+
+    Example:
+        >>> build_config(num_processes=2, mode="FSDP", env=None).mode
+        <Mode.FSDP: 'fsdp'>
     """
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        try:
-            return dict(json.loads(json.dumps(value)))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"deepspeed_config must hold only JSON values (numbers, strings, lists, dicts): "
-                f"{exc}"
-            ) from exc
-    if not isinstance(value, (str, os.PathLike)):
-        raise ConfigError(
-            f"deepspeed_config must be a dict or the path of a JSON file, got "
-            f"{type(value).__name__}"
+    unknown = sorted(set(options) - set(OPTION_NAMES))
+    if unknown:
+        raise ConfigTypeError(
+            f"unknown launch option(s) {', '.join(unknown)}; the options are "
+            f"{', '.join(OPTION_NAMES)}"
         )
-    path = os.fspath(value)
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read the DeepSpeed config {path!r}: {exc.strerror}; pass an existing JSON "
-            "file or a dict"
-        ) from exc
-    try:
-        parsed = json.loads(text)
-    except ValueError as exc:
-        raise ConfigError(f"the DeepSpeed config {path!r} is not valid JSON: {exc}") from exc
-    if not isinstance(parsed, dict):
-        raise ConfigError(
-            f"the DeepSpeed config {path!r} must be a JSON object, not {type(parsed).__name__}"
-        )
-    return parsed
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _check_job_sizes(warn_mb: Any, limit_mb: Any) -> None:
-    for name, value in (("job_size_warn_mb", warn_mb), ("job_size_limit_mb", limit_mb)):
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ConfigError(f"{name} must be a positive number of megabytes, got {value!r}")
-    if warn_mb > limit_mb:
-        raise ConfigError(
-            f"job_size_warn_mb={warn_mb:g} is above job_size_limit_mb={limit_mb:g}; the warning "
-            "must come before the limit"
-        )
-
-
-def _check_positive_seconds(name: str, value: Any) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+    values = dict(options)
+    for name in ("env", "requirements"):
+        if name in values and values[name] is None:
+            values[name] = option(name).default
+    if "deepspeed_config" in values:
+        values["deepspeed_config"] = load_deepspeed_config(values["deepspeed_config"])
+    return LaunchConfig(**values)

@@ -10,9 +10,11 @@ Non-goals: spawning, reading Spark, choosing GPUs.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sparkdist._core.errors import ConfigError, ConfigTypeError
 from sparkdist._core.tracebacks import FULL_TRACEBACK_VAR as FULL_TRACEBACK_VAR
 
 #: Variables sparkdist sets for its own worker bootstrap; user code should use ``runtime``.
@@ -57,6 +59,119 @@ MLFLOW_EXPERIMENT_NAME_VAR = "MLFLOW_EXPERIMENT_NAME"
 RENDEZVOUS_ENV_VARS = frozenset(
     {MLFLOW_RUN_ID_VAR, MLFLOW_EXPERIMENT_ID_VAR, MLFLOW_TRACKING_URI_VAR, ROWS_PER_RANK_VAR}
 )
+
+#: The worker's bootstrap variables (set by the agent, read by ``_node.worker``; named here so
+#: the launcher's own variables are listed in one place).
+JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
+RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
+CTRL_IN_VAR = "SPARKDIST_CTRL_IN"
+CTRL_OUT_VAR = "SPARKDIST_CTRL_OUT"
+START_TIMEOUT_VAR = "SPARKDIST_START_TIMEOUT_S"
+
+#: Every variable the launcher sets in a rank's environment, whatever the user asks: ``env=``
+#: may not name one (it would be overwritten, or would describe the wrong world). Variables the
+#: launcher only defaults (``OMP_NUM_THREADS``, ``DS_ACCELERATOR``) are the user's to set.
+LAUNCHER_VARS = frozenset(
+    {
+        # torchrun's world description (torch.distributed.run sets the same names)
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "NODE_RANK",
+        "GROUP_WORLD_SIZE",
+        "ROLE_NAME",
+        "ROLE_RANK",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        # the GPUs of a rank: chosen by placement (use_gpu, spark.task.resource.gpu.amount)
+        "CUDA_VISIBLE_DEVICES",
+        # output must reach the driver line by line
+        "PYTHONUNBUFFERED",
+        RUN_ID_VAR,
+        USE_GPU_VAR,
+        MODE_VAR,
+        HOST_VAR,
+        DEEPSPEED_CONFIG_VAR,
+        CHECKPOINT_DIR_VAR,
+        PARTITION_FILE_VAR,
+        ROWS_PER_RANK_VAR,
+        JOB_FILE_VAR,
+        RESULT_DIR_VAR,
+        CTRL_IN_VAR,
+        CTRL_OUT_VAR,
+        START_TIMEOUT_VAR,
+    }
+)
+#: Whole families the launcher owns: torchelastic's run id, restart count, agent store...
+LAUNCHER_VAR_PREFIXES = ("TORCHELASTIC_",)
+
+#: A POSIX environment variable name (what a shell can export).
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def launcher_owns(name: str) -> bool:
+    """Whether the launcher sets ``name`` in every rank (so ``env=`` may not)."""
+    return name in LAUNCHER_VARS or name.startswith(LAUNCHER_VAR_PREFIXES)
+
+
+def check_user_env(env: object) -> dict[str, str]:
+    """Check ``env=`` and return a plain copy: valid names mapped to strings, none of them ours.
+
+    Raises:
+        ConfigTypeError: ``env`` is not a mapping, or a name or a value is not a string.
+        ConfigError: a name is not a valid variable name, or is one the launcher sets.
+    """
+    if not isinstance(env, Mapping):
+        hint = (
+            f"; write env={{{env.partition('=')[0]!r}: {env.partition('=')[2]!r}}}"
+            if isinstance(env, str) and "=" in env
+            else ""
+        )
+        raise ConfigTypeError(
+            f"env must be a mapping of variable names to strings, e.g. env={{'NCCL_DEBUG': "
+            f"'INFO'}}; got {type(env).__name__} {env!r}{hint}"
+        )
+    checked: dict[str, str] = {}
+    for name, value in env.items():
+        if not isinstance(name, str):
+            raise ConfigTypeError(
+                f"env names must be strings, got {type(name).__name__} {name!r}; write "
+                f"env={{{str(name)!r}: ...}}"
+            )
+        if not _VAR_NAME.fullmatch(name):
+            raise ConfigError(
+                f"env name {name!r} is not a valid environment variable name; use letters, "
+                "digits and '_', not starting with a digit ([A-Za-z_][A-Za-z0-9_]*)"
+            )
+        if launcher_owns(name):
+            raise ConfigError(
+                f"env sets {name}, which sparkdist sets itself in every rank (with RANK, "
+                "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES, TORCHELASTIC_* and "
+                f"its SPARKDIST_* bootstrap variables); drop {name} from env: "
+                f"{_OWNED_HINTS.get(name, 'read it in the rank with sparkdist.runtime')}"
+            )
+        if not isinstance(value, str):
+            raise ConfigTypeError(
+                f"env[{name!r}] must be a string, got {type(value).__name__} {value!r}; write "
+                f"env={{{name!r}: {str(value)!r}}}"
+            )
+        checked[name] = value
+    return checked
+
+
+#: How to get what an owned variable would have given.
+_OWNED_HINTS = {
+    "CUDA_VISIBLE_DEVICES": "each rank gets its own GPU (use_gpu=False for none); in local mode, "
+    "set CUDA_VISIBLE_DEVICES in the driver's environment to choose the GPUs ranks may use",
+    "MASTER_PORT": "the rank 0 store binds a port the OS picks and every rank is told it",
+    "MASTER_ADDR": "rank 0's host is the rendezvous address",
+    "PYTHONUNBUFFERED": "every rank already runs unbuffered",
+    "WORLD_SIZE": "the world size is num_processes",
+}
+
 
 #: Variables an enclosing launcher (an outer torchrun, a previous run) may have left behind and
 #: which would describe the wrong world if inherited.

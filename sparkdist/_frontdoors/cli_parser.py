@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from sparkdist._core.config import Mode
+from sparkdist._core.config import OPTIONS, CliKind, CliSpelling, Option, option
 
 _RUN_EXAMPLES = """\
 examples:
@@ -93,76 +93,36 @@ def _add_run(commands: Any, verbosity: argparse.ArgumentParser) -> None:
         epilog=_RUN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    run.add_argument(
-        "-n",
-        "--num-processes",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="number of ranks, one per GPU (default: 1)",
-    )
-    run.add_argument(
-        "--mode",
-        choices=[m.value for m in Mode],
-        default=None,
-        help="how the ranks train (default: ddp, or deepspeed with --deepspeed-config)",
-    )
-    run.add_argument(
-        "--deepspeed-config",
-        metavar="FILE",
-        help="DeepSpeed JSON config (e.g. conf/deepspeed/zero2.json); implies --mode deepspeed",
-    )
-    where = run.add_mutually_exclusive_group()
-    where.add_argument(
-        "--local", action="store_true", help="run the ranks on this machine (the default)"
-    )
-    where.add_argument(
-        "--master",
-        metavar="URL",
-        help="run the ranks as Spark barrier tasks on this master (spark://host:7077, yarn, "
-        "k8s://https://host:443, local-cluster[2,1,1024]...)",
-    )
-    run.add_argument(
-        "--conf",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Spark conf for the session started on --master (repeatable)",
-    )
-    run.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="environment variable for every rank (repeatable)",
-    )
-    run.add_argument(
-        "--cpu", action="store_true", help="train on CPU with gloo even where there are GPUs"
-    )
-    run.add_argument(
-        "--timeout",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="stop every rank and exit 124 after this long (default: no limit)",
-    )
-    run.add_argument(
-        "--start-timeout",
-        type=_positive_float,
-        metavar="SECONDS",
-        help="fail when a rank has not started within this long (default: 300)",
-    )
-    run.add_argument(
-        "--max-restarts",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help="restart every rank up to N times after a failure (default: 0)",
-    )
-    run.add_argument(
-        "--gpu-type",
-        metavar="TYPE",
-        help="require this GPU model (H100, A100...) wherever ranks run; checked before start",
-    )
+    for launch_option in OPTIONS:
+        if launch_option.cli is not None:
+            _add_option(run, launch_option, launch_option.cli)
+        elif launch_option.name == "local_mode":
+            where = run.add_mutually_exclusive_group()
+            where.add_argument(
+                "--local", action="store_true", help="run the ranks on this machine (the default)"
+            )
+            where.add_argument(
+                "--master",
+                metavar="URL",
+                help="run the ranks as Spark barrier tasks on this master (spark://host:7077, "
+                "yarn, k8s://https://host:443, local-cluster[2,1,1024]...)",
+            )
+            run.add_argument(
+                "--conf",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="Spark conf for the session started on --master (repeatable)",
+            )
+        elif launch_option.name == "use_gpu":
+            run.add_argument(
+                "--cpu",
+                action="store_true",
+                help="train on CPU with gloo even where there are GPUs (default: GPUs where "
+                "there are any)",
+            )
+        # An option with no spelling here is not offered, for the reason the parity test
+        # (tests/unit/test_front_door_parity.py) gives: job sizes, say, with no pickled job.
     run.add_argument(
         "-m",
         "--module",
@@ -176,6 +136,41 @@ def _add_run(commands: Any, verbosity: argparse.ArgumentParser) -> None:
         metavar="ARGS",
         help="arguments of the script (an optional -- may precede them)",
     )
+
+
+#: Launch options the command line spells by hand, with the flags that set them.
+HAND_SPELLED = {"local_mode": ("--local", "--master"), "use_gpu": ("--cpu",)}
+
+
+def _add_option(parser: argparse.ArgumentParser, option: Option, cli: CliSpelling) -> None:
+    """One table option as argparse flags; absent from the namespace unless given, so the
+    table's default applies (``build_config``)."""
+    common: dict[str, Any] = {
+        "dest": option.name,
+        "default": argparse.SUPPRESS,
+        "help": option.help_with_default(),
+    }
+    if cli.metavar is not None:
+        common["metavar"] = cli.metavar
+    kind = cli.kind
+    if kind is CliKind.SWITCH:
+        parser.add_argument(*cli.flags, action=argparse.BooleanOptionalAction, **common)
+    elif kind is CliKind.FLAG:
+        parser.add_argument(*cli.flags, action="store_const", const=True, **common)
+    elif kind in (CliKind.ASSIGNMENTS, CliKind.TEXTS):
+        parser.add_argument(*cli.flags, action="append", **common)
+    elif kind is CliKind.CHOICE:
+        parser.add_argument(*cli.flags, choices=list(cli.choices), **common)
+    else:
+        parser.add_argument(*cli.flags, type=_READERS[kind], **common)
+
+
+def cli_flag(name: str) -> str:
+    """The long flag that sets launch option ``name`` on ``sparkdist run``."""
+    cli = option(name).cli
+    if cli is None:
+        return HAND_SPELLED.get(name, ("(not offered)",))[-1]
+    return cli.flags[-1]
 
 
 def _add_doctor(commands: Any, verbosity: argparse.ArgumentParser) -> None:
@@ -251,6 +246,10 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _text(text: str) -> str:
+    return text
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -259,3 +258,11 @@ def _positive_float(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} is not a positive number of seconds")
     return value
+
+
+_READERS = {
+    CliKind.COUNT: _non_negative_int,
+    CliKind.POSITIVE_COUNT: _positive_int,
+    CliKind.SECONDS: _positive_float,
+    CliKind.TEXT: _text,
+}

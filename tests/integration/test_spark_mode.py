@@ -118,7 +118,7 @@ def test_gpu_type_is_checked_on_the_executors_before_any_rank_starts(spark_local
     from sparkdist._engine.launch import launch
     from sparkdist.distributor import make_job
 
-    config = LaunchConfig(2, local_mode=False, use_gpu=False, gpu_type="h100")
+    config = LaunchConfig(num_processes=2, local_mode=False, gpu_type="h100")
     with pytest.raises(ClusterError, match="gpu_type='H100' was requested but no NVIDIA GPU"):
         launch(config, make_job(lambda: 1, (), {}))
     assert not run_processes()

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from sparkdist import ClusterError, ConfigError, RankFailure, RunTimeoutError, WorkerFailedError
+from sparkdist import (
+    ClusterError,
+    ConfigError,
+    Mode,
+    RankFailure,
+    RunTimeoutError,
+    WorkerFailedError,
+)
+from sparkdist._core.config import build_config
 from sparkdist.cli import (
     RunRequest,
     build_parser,
@@ -45,8 +54,8 @@ def test_script_arguments_follow_the_script(in_tmp, argv, target, script_args):
     assert (request.target, request.script_args, request.module) == (target, script_args, False)
 
 
-def test_defaults_are_one_local_rank_ddp_auto_gpu(in_tmp):
-    assert parse("train.py") == RunRequest(num_processes=1, target="train.py")
+def test_defaults_are_the_tables(in_tmp):
+    assert parse("train.py") == RunRequest(target="train.py", config=build_config())
 
 
 def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
@@ -56,38 +65,50 @@ def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
         "-m", "pkg.train", "--", "--epochs", "2",
     )
     assert request == RunRequest(
-        num_processes=4, target="pkg.train", module=True, script_args=("--epochs", "2"),
-        mode="fsdp", master="spark://h:7077",
-        spark_conf={"spark.task.resource.gpu.amount": "1"}, use_gpu=False, timeout_s=60.0,
-        start_timeout_s=30.0, env={"A": "x=y"},
+        target="pkg.train", module=True, script_args=("--epochs", "2"), master="spark://h:7077",
+        spark_conf={"spark.task.resource.gpu.amount": "1"},
+        config=build_config(num_processes=4, local_mode=False, mode="fsdp", use_gpu=False,
+                            timeout_s=60.0, start_timeout_s=30.0, env={"A": "x=y"}),
     )
 
 
 def test_request_becomes_the_distributors_config(in_tmp):
     config_path = str(REPO / "conf/deepspeed/zero2.json")
     request = parse("-n", "3", "--cpu", "--timeout", "9", "--start-timeout", "8",
-                    "--env", "A=1", "--max-restarts", "2", "--gpu-type", "h100",
-                    "--deepspeed-config", config_path, "train.py")
+                    "--env", "A=1", "--max-restarts", "2",
+                    "--deepspeed-config", config_path, "--checkpoint-dir", "ckpt",
+                    "--heartbeat-timeout", "7", "--no-mlflow", "--requirement", "numpy",
+                    "--requirement", "pandas==2.2.0", "train.py")
     distributor = make_distributor(request)
     config = distributor.config
+    assert config == request.config
     assert (config.num_processes, config.local_mode, config.use_gpu) == (3, True, False)
     assert (config.timeout_s, config.start_timeout_s, config.max_restarts) == (9.0, 8.0, 2)
-    assert config.mode.value == "deepspeed" and config.gpu_type == "H100"
+    assert config.mode.value == "deepspeed" and config.gpu_type is None
     assert config.deepspeed_config["zero_optimization"]["stage"] == 2
     assert config.env == {"A": "1"} and distributor.spark is None
+    assert config.checkpoint_dir == str(in_tmp / "ckpt") and config.heartbeat_timeout_s == 7.0
+    assert config.mlflow is False and config.requirements == ("numpy", "pandas==2.2.0")
+    assert parse("--mlflow", "train.py").config.mlflow is True
     assert not make_distributor(parse("--master", "yarn", "train.py")).config.local_mode
+    assert parse("--gpu-type", "h100", "train.py").config.gpu_type == "H100"
 
 
 def test_values_the_library_refuses_fail_before_spark_starts(in_tmp):
-    with pytest.raises(ConfigError, match="not a GPU model"):
-        make_distributor(parse("--master", "yarn", "--gpu-type", "abacus", "train.py"))
+    with pytest.raises(ConfigError, match="asks for GPUs but use_gpu=False"):
+        parse("--cpu", "--gpu-type", "h100", "train.py")
+    with pytest.raises(ConfigError, match="--gpu-type: gpu_type='abacus' is not a GPU model"):
+        parse("--master", "yarn", "--gpu-type", "abacus", "train.py")
+    with pytest.raises(ConfigError, match="--env: env sets RANK, which sparkdist sets"):
+        parse("--env", "RANK=3", "train.py")
 
 
 def test_deepspeed_config_implies_the_mode(in_tmp):
-    path = str(REPO / "conf/deepspeed/zero3.json")
-    request = parse("--deepspeed-config", path, "train.py")
-    assert (request.mode, request.deepspeed_config, request.env) == ("deepspeed", path, {})
-    assert parse("--mode", "deepspeed", "train.py").deepspeed_config is None
+    path = REPO / "conf/deepspeed/zero3.json"
+    config = parse("--deepspeed-config", str(path), "train.py").config
+    assert (config.mode, config.env) == (Mode.DEEPSPEED, {})
+    assert config.deepspeed_config == json.loads(path.read_text())
+    assert parse("--mode", "deepspeed", "train.py").config.deepspeed_config is None
 
 
 @pytest.mark.parametrize(

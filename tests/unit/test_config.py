@@ -11,7 +11,7 @@ from sparkdist._core.config import LaunchConfig
 @pytest.mark.parametrize("n", [0, -1, 1.5, "2", True, None])
 def test_num_processes_must_be_a_positive_int(n):
     with pytest.raises(ConfigError, match="num_processes must be a positive integer"):
-        LaunchConfig(n)
+        LaunchConfig(num_processes=n)
     with pytest.raises(ValueError):  # pyspark raises ValueError here; so do we
         TorchDistributor(num_processes=n)
 
@@ -25,16 +25,16 @@ def test_num_processes_must_be_a_positive_int(n):
         ({"mode": "horovod"}, "mode='horovod' is not a launch mode; use one of 'ddp'"),
         ({"use_gpu": "yes"}, "use_gpu must be True, False or None"),
         ({"local_mode": 1}, "local_mode must be True or False"),
-        ({"env": {"A": 1}}, "env must map"),
+        ({"env": {"A": 1}}, r"env\['A'\] must be a string"),
     ],
 )
 def test_bad_options_are_refused(kwargs, message):
     with pytest.raises(ConfigError, match=message):
-        LaunchConfig(2, **kwargs)
+        LaunchConfig(num_processes=2, **kwargs)
 
 
 def test_mode_parses_names_case_insensitively():
-    assert LaunchConfig(1, mode="FSDP").mode is Mode.FSDP
+    assert LaunchConfig(mode="FSDP").mode is Mode.FSDP
     assert Distributor(1, mode=Mode.DEEPSPEED).config.mode is Mode.DEEPSPEED
 
 

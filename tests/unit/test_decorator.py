@@ -121,7 +121,7 @@ def test_non_callable_is_refused():
         ({"gpu_type": "H100", "use_gpu": False}, "drop one of them"),
         ({"mode": "horovod"}, "not a launch mode"),
         ({"timeout_s": 0}, "timeout_s must be a positive number"),
-        ({"env": {"A": 1}}, "env must map"),
+        ({"env": {"A": 1}}, r"env\['A'\] must be a string"),
     ],
 )
 def test_bad_launcher_options_fail_when_decorating(kwargs, message):

@@ -30,17 +30,17 @@ GPU = "spark.task.resource.gpu.amount"
     ],
 )
 def test_local_placement(n, use_gpu, driver_gpus, expected):
-    assert place_local(LaunchConfig(n, use_gpu=use_gpu), driver_gpus) == expected
+    assert place_local(LaunchConfig(num_processes=n, use_gpu=use_gpu), driver_gpus) == expected
 
 
 def test_local_gpu_without_gpus_says_to_pass_use_gpu_false():
     with pytest.raises(ClusterError, match="use_gpu=False"):
-        place_local(LaunchConfig(2, use_gpu=True), [])
+        place_local(LaunchConfig(num_processes=2, use_gpu=True), [])
 
 
 def test_local_more_processes_than_gpus_names_the_count():
     with pytest.raises(ClusterError, match="num_processes=3 but the driver has 2 GPU"):
-        place_local(LaunchConfig(3, use_gpu=True), ["0", "1"])
+        place_local(LaunchConfig(num_processes=3, use_gpu=True), ["0", "1"])
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,8 @@ def test_local_more_processes_than_gpus_names_the_count():
     ],
 )
 def test_cluster_placement(n, use_gpu, conf, expected):
-    placement = place_on_cluster(LaunchConfig(n, local_mode=False, use_gpu=use_gpu), conf)
+    config = LaunchConfig(num_processes=n, local_mode=False, use_gpu=use_gpu)
+    placement = place_on_cluster(config, conf)
     assert placement == expected
     assert placement.world_size == n
 
@@ -74,7 +75,7 @@ def test_cluster_placement(n, use_gpu, conf, expected):
 )
 def test_cluster_gpu_conf_errors(n, conf, message):
     with pytest.raises(ConfigError, match=message):
-        place_on_cluster(LaunchConfig(n, local_mode=False, use_gpu=True), conf)
+        place_on_cluster(LaunchConfig(num_processes=n, local_mode=False, use_gpu=True), conf)
 
 
 def test_dynamic_allocation_is_refused_with_the_fix():
