@@ -94,7 +94,7 @@ class Driver:
         self.last_line_at = 0.0
         self.histogram = [0] * _BUCKETS
         self.max_latency = 0.0
-        self.server = ChannelServer("127.0.0.1", new_secret(), self.on_message, typed=True)
+        self.server = ChannelServer("127.0.0.1", new_secret(), self.on_message)
 
     def on_message(self, peer: Any, message: protocol.Message) -> None:
         if isinstance(message, protocol.Log):
@@ -184,7 +184,7 @@ def run_agents(port: int, secret: str, first: int, count: int, connect_threads: 
 
     def connect(node: int) -> ChannelClient:
         return ChannelClient(
-            ("127.0.0.1", port), secret, on_message_of(node), timeout_s=60.0, typed=True
+            ("127.0.0.1", port), secret, on_message_of(node), timeout_s=60.0
         )
 
     started = time.time()

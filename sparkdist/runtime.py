@@ -187,8 +187,11 @@ def heartbeat() -> None:
     """Tell the launcher this rank is alive (for ``heartbeat_timeout_s``); cheap, no-op
     outside a sparkdist rank."""
     from sparkdist._node import worker as _worker
+    from sparkdist._wire import protocol
 
-    _worker.send_to_agent({"t": "beat"})
+    rank = _worker.own_rank()
+    if rank is not None:
+        _worker.send_to_agent(protocol.Beat(rank))
 
 
 def report(step: int | None = None, total: int | None = None, **metrics: float) -> None:
@@ -212,8 +215,9 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
         for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
+    rank = _worker.own_rank()
     message = protocol.Report(
-        rank=0,  # the agent stamps the real rank
+        rank=rank or 0,  # checked even outside a rank, where nothing is sent
         step=int(step) if step is not None else None,
         total=int(total) if total is not None else None,
         metrics=clean,
@@ -227,9 +231,8 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
             f"{protocol.MAX_METRICS} metrics, named in at most {protocol.MAX_METRIC_NAME_CHARS} "
             "characters"
         ) from None
-    wire = protocol.wire_dict(message)
-    del wire["rank"]
-    _worker.send_to_agent(wire)
+    if rank is not None:
+        _worker.send_to_agent(message)
 
 
 # -- checkpoints ---------------------------------------------------------------------------

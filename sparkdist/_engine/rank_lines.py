@@ -21,6 +21,8 @@ import sys
 import threading
 from typing import IO, Any
 
+from sparkdist._wire.protocol import Log, Stream
+
 #: Back to the start of the line, and erase it (Spark's bar included).
 CLEAR_LINE = "\r\x1b[K"
 _CONSOLE_PROGRESS_KEY = "spark.ui.showConsoleProgress"
@@ -40,14 +42,14 @@ def shows_console_progress(conf_value: str | None) -> bool:
     return (conf_value or "").strip().lower() == "true"
 
 
-def print_rank_line(message: dict[str, Any]) -> None:
+def print_rank_line(message: Log) -> None:
     """Write a rank's line to the driver's stdout or stderr (as the rank did), whole."""
-    stream = sys.stderr if message.get("stream") == "stderr" else sys.stdout
+    stream = sys.stderr if message.stream is Stream.STDERR else sys.stdout
     with _lock:
         try:
             terminal = _isatty(stream)
             prefix = rank_line_prefix(terminal, terminal and _spark_bar_on_terminal())
-            stream.write(f"{prefix}[rank {message['rank']}] {message['line']}\n")
+            stream.write(f"{prefix}[rank {message.rank}] {message.line}\n")
             stream.flush()
         except (OSError, ValueError):
             pass  # the driver's own output is gone; training goes on

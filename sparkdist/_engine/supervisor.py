@@ -58,7 +58,8 @@ from sparkdist._core.run_state import (
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
 from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
 from sparkdist._node.detached import failures_in
-from sparkdist._wire.channel import ChannelServer, Message, Peer
+from sparkdist._wire import protocol
+from sparkdist._wire.channel import ChannelServer, Peer
 from sparkdist._wire.payload import Outcome, loads
 
 logger = logging.getLogger("sparkdist")
@@ -100,7 +101,7 @@ class RunMonitor:
         # Set by the launch's tracker: where runtime.report() messages go (called on a channel
         # thread, so it must be cheap), and a context around each rank line printed (a live
         # progress bar steps aside for it).
-        self.on_report: Callable[[Message], None] | None = None
+        self.on_report: Callable[[protocol.Report], None] | None = None
         self.output_guard: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
@@ -112,13 +113,12 @@ class RunMonitor:
 
     # -- channel callbacks ----------------------------------------------------------------------
 
-    def on_message(self, peer: Peer, message: Message) -> None:
-        kind = message["t"]
-        if kind == "log":
+    def on_message(self, peer: Peer, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Log):
             with self.output_guard():
                 _print_rank_line(message)
             return
-        if kind == "report":
+        if isinstance(message, protocol.Report):
             if self.on_report is not None:
                 self.on_report(message)
             return
@@ -127,40 +127,38 @@ class RunMonitor:
             return
         with self.changed:
             self.handle(event)
-            if kind == "hello" and self.state.stop_reason is not None:
-                peer.send({"t": "abort", "reason": self.state.stop_reason})  # a late node
+            if isinstance(message, protocol.Hello) and self.state.stop_reason is not None:
+                peer.send(protocol.Abort(self.state.stop_reason))  # a late node
 
     def on_disconnect(self, peer: Peer) -> None:
         """An agent's connection dropped: before its "bye", its node is lost."""
         if peer.node is not None:
             self.handle(NodeLost(peer.node))
 
-    def _event_of(self, peer: Peer, message: Message) -> Event | None:
-        kind = message["t"]
-        if kind == "hello":
-            peer.node = int(message["node"])
-            return NodeHello(peer.node, str(message.get("host", "")))
-        if kind == "store":
-            return StoreReady(int(message["port"]))
-        if kind == "ready":
-            return RankJoined(int(message["rank"]))
-        if kind == "failed":
-            rank = int(message["rank"])
-            if message.get("exit_code") is not None:
-                self.failure_codes[rank] = int(message["exit_code"])
-            hung = float(message.get("last_beat", 0.0)) if message.get("hung") else None
-            seen = message.get("time")
-            return RankFailed(rank, hung, float(seen) if seen is not None else None)
-        if kind == "rows":
-            counts = message.get("counts", {})
-            return RowsCounted({int(rank): int(n) for rank, n in counts.items()})
-        if kind == "refused":
-            # An agent would not start its ranks (GPU type, package versions): nobody trains.
-            refusal = Refusal.of(message)
-            self.refusals.append(refusal)
-            return NodeRefused(int(message["node"]), refusal.summary)
-        if kind == "bye":
-            return NodeDone(int(message["node"]), int(message.get("dropped", 0)))
+    def _event_of(self, peer: Peer, message: protocol.Message) -> Event | None:
+        """The run-state event an agent's message stands for (None: it changes nothing)."""
+        match message:
+            case protocol.Hello(node=node, host=host):
+                peer.node = node
+                return NodeHello(node, host)
+            case protocol.Store(port=port):
+                return StoreReady(port)
+            case protocol.Ready(rank=rank):
+                return RankJoined(rank)
+            case protocol.Failed(rank=rank, exit_code=code, time=seen):
+                if code is not None:
+                    self.failure_codes[rank] = code
+                hung = (message.last_beat or 0.0) if message.hung else None
+                return RankFailed(rank, hung, seen)
+            case protocol.Rows(counts=counts):
+                return RowsCounted(dict(counts))
+            case protocol.Refused(node=node, host=host, reason=reason, rows=rows):
+                # An agent would not start its ranks (GPU type, package versions): nobody trains.
+                refusal = Refusal(node, host, reason or None, tuple(rows))
+                self.refusals.append(refusal)
+                return NodeRefused(node, refusal.summary)
+            case protocol.Bye(node=node, dropped=dropped):
+                return NodeDone(node, dropped)
         return None
 
     # -- events from the driver's side ----------------------------------------------------------
@@ -188,15 +186,13 @@ class RunMonitor:
 
     def _carry_out(self, decision: Decision) -> None:
         if isinstance(decision, SendRendezvous):
-            self._broadcast(
-                {"t": "rendezvous", "master_port": decision.master_port, "env": dict(decision.env)}
-            )
+            self._broadcast(protocol.Rendezvous(decision.master_port, dict(decision.env)))
         elif isinstance(decision, AbortAll):
-            self._broadcast({"t": "abort", "reason": decision.reason})
+            self._broadcast(protocol.Abort(decision.reason))
         elif isinstance(decision, CancelStage):
             self.stage_cancel_due = True  # done by the supervisor thread: it may wait
 
-    def _broadcast(self, message: Message) -> None:
+    def _broadcast(self, message: protocol.Message) -> None:
         if self.server is not None:
             self.server.broadcast(message)
 
@@ -342,7 +338,7 @@ def result_of(
     ordered = [by_rank[r] for r in range(placement.world_size)]
     for outcome in ordered:  # output a detached node kept: now, in rank order
         for stream, line in outcome.output:
-            _print_rank_line({"rank": outcome.rank, "stream": stream, "line": line})
+            _print_rank_line(protocol.Log(outcome.rank, protocol.Stream(stream), line))
     return RunResult(
         values=[loads(o.value_bytes) if o.value_bytes is not None else None for o in ordered],
         wall_times_s=[o.wall_time_s for o in ordered],

@@ -43,7 +43,7 @@ from sparkdist._node.ranks import RankHandle, end_ranks, node_extra_env, spawn_r
 from sparkdist._node.spec import AgentSpec
 from sparkdist._node.watchdog import check_heartbeats, next_check_in_s
 from sparkdist._shipping.code import unpack_code
-from sparkdist._wire.channel import Message
+from sparkdist._wire import protocol
 from sparkdist._wire.payload import Outcome
 
 # ``AgentSpec`` is re-exported: importers written before the split keep working.
@@ -129,7 +129,8 @@ class Agent:
             refusal = refusal_of(self.spec)
             if refusal is not None:
                 if not tell_driver_once(self.spec, refusal) and self.all_gather is not None:
-                    raise refusal_error(refusal)  # detached: the task's error carries it
+                    # Detached: the task's error carries it.
+                    raise refusal_error(protocol.to_wire(refusal))
                 return []
             job_file = self.spec.job_file or os.path.join(run_dir, "job.pkl")
             if self.spec.job_file is None:
@@ -176,7 +177,7 @@ class Agent:
         except BaseException as exc:
             self.events.put(("abort", f"reading the DataFrame failed: {exc!r}"))
             raise
-        self.link.send_control({"t": "rows", "counts": {str(r): n for r, n in counts.items()}})
+        self.link.send_control(protocol.Rows(dict(counts)))
 
     def stop(self, reason: str) -> None:
         """End every rank of this node now, from any thread; return once they are gone.
@@ -224,8 +225,8 @@ class Agent:
 
         for worker in self.workers.values():
             targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
-                (pump_lines, (worker, worker.proc.stdout, "stdout", outbox)),
-                (pump_lines, (worker, worker.proc.stderr, "stderr", outbox)),
+                (pump_lines, (worker, worker.proc.stdout, protocol.Stream.STDOUT, outbox)),
+                (pump_lines, (worker, worker.proc.stderr, protocol.Stream.STDERR, outbox)),
                 (pump_notes, (worker, outbox, self.link.send_control)),
                 (wait_for_exit, (worker, self.spec, exited)),
             ]
@@ -234,9 +235,9 @@ class Agent:
                 thread.start()
                 worker.threads.append(thread)
 
-    def _deliver_rendezvous(self, message: Message) -> None:
+    def _deliver_rendezvous(self, message: protocol.Rendezvous) -> None:
         with self.lock:
-            self.master_port = int(message["master_port"])
+            self.master_port = message.master_port
             workers = list(self.workers.values())
         for worker in workers:
             worker.tell(message)
@@ -256,14 +257,7 @@ class Agent:
                 running.discard(worker.seat.rank)
                 worker.ctrl_in.close()
                 if code != 0 and not self.aborting:
-                    outbox.control(
-                        {
-                            "t": "failed",
-                            "rank": worker.seat.rank,
-                            "exit_code": code,
-                            "time": time.time(),
-                        }
-                    )
+                    outbox.control(protocol.Failed(worker.seat.rank, code, time.time()))
                     self._abort(f"rank {worker.seat.rank} failed")
             elif kind == "abort":
                 self._abort(str(payload))

@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkdist._core.env import ROWS_PER_RANK_VAR
 from sparkdist._core.errors import RankFailure
+from sparkdist._wire import protocol
 
 _MARKER = re.compile(r"SPARKDIST-FAILURES<<<(.*?)>>>", re.DOTALL)
 #: How much of a traceback travels inside a task's error message.
@@ -35,7 +36,7 @@ class DetachedRendezvous:
         node_rank: this node's index (node 0 hosts the store).
         world_size: ranks in the run.
         expects_rows: the run reads a DataFrame: row counts are exchanged too.
-        deliver: called with the rendezvous message for the workers.
+        deliver: called with the rendezvous for the workers.
         fail: called with a reason when the rendezvous cannot complete.
     """
 
@@ -45,7 +46,7 @@ class DetachedRendezvous:
         node_rank: int,
         world_size: int,
         expects_rows: bool,
-        deliver: Callable[[dict[str, Any]], None],
+        deliver: Callable[[protocol.Rendezvous], None],
         fail: Callable[[str], None],
     ) -> None:
         self._all_gather = all_gather
@@ -55,7 +56,7 @@ class DetachedRendezvous:
         self._deliver = deliver
         self._fail = fail
         self._port: int | None = None
-        self._rows: dict[str, int] | None = None
+        self._rows: dict[str, int] | None = None  # by global rank, as JSON keys it
         self._started = False
         self._lock = threading.Lock()
 
@@ -67,9 +68,9 @@ class DetachedRendezvous:
             self._port = port
         self._maybe_go()
 
-    def on_rows(self, counts: dict[str, int]) -> None:
+    def on_rows(self, counts: Mapping[int, int]) -> None:
         with self._lock:
-            self._rows = counts
+            self._rows = {str(rank): n for rank, n in counts.items()}
         self._maybe_go()
 
     def _maybe_go(self) -> None:
@@ -103,7 +104,7 @@ class DetachedRendezvous:
         if port is None:
             self._fail("node 0 published no store port")
             return
-        self._deliver({"t": "rendezvous", "master_port": port, "env": env})
+        self._deliver(protocol.Rendezvous(port, env))
 
 
 class DetachedFailure(RuntimeError):

@@ -21,7 +21,8 @@ from typing import Any
 from sparkdist._node.detached import DetachedRendezvous
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.spec import AgentSpec
-from sparkdist._wire.channel import ChannelClient, ChannelClosed, Message
+from sparkdist._wire import protocol
+from sparkdist._wire.channel import ChannelClient, ChannelClosed
 
 logger = logging.getLogger("sparkdist")
 
@@ -39,7 +40,7 @@ class DriverLink:
         all_gather: a barrier task's ``allGather``: without the channel, rendezvous through
             it (detached) instead of failing.
         expects_data: the run reads a DataFrame (a detached rendezvous exchanges row counts).
-        on_rendezvous: called with the rendezvous message, from the delivering thread.
+        on_rendezvous: called with the rendezvous, from the delivering thread.
         events: the agent's event queue.
     """
 
@@ -49,7 +50,7 @@ class DriverLink:
         *,
         all_gather: Callable[[str], list[str]] | None,
         expects_data: bool,
-        on_rendezvous: Callable[[Message], None],
+        on_rendezvous: Callable[[protocol.Rendezvous], None],
         events: queue.Queue[tuple[str, Any]],
     ) -> None:
         self._spec = spec
@@ -98,7 +99,7 @@ class DriverLink:
     def open_outbox(self) -> Outbox:
         """The outbox for this node's messages, once ``connect`` ran; says hello through it."""
         outbox = self.outbox = Outbox(self.client, keep_lines=KEPT_LINES if self.detached else 0)
-        outbox.control({"t": "hello", "node": self._spec.node_rank, "host": self._spec.host})
+        outbox.control(protocol.Hello(self._spec.node_rank, self._spec.host))
         return outbox
 
     def start(self) -> None:
@@ -106,20 +107,20 @@ class DriverLink:
         if self.detached is not None:
             self.detached.start()
 
-    def send_control(self, message: Message) -> None:
+    def send_control(self, message: protocol.Message) -> None:
         """To the driver; a detached node keeps what its rendezvous needs instead."""
         if self.detached is None:
             if self.outbox is not None:
                 self.outbox.control(message)
-        elif message["t"] == "store":
-            self.detached.on_store(int(message["port"]))
-        elif message["t"] == "rows":
-            self.detached.on_rows(message["counts"])
+        elif isinstance(message, protocol.Store):
+            self.detached.on_store(message.port)
+        elif isinstance(message, protocol.Rows):
+            self.detached.on_rows(message.counts)
 
     def say_bye(self) -> None:
         """Send what is queued, then "bye": the driver then knows this node's output is complete."""
         if self.outbox is not None:
-            self.outbox.close(FLUSH_TIMEOUT_S, final={"t": "bye", "node": self._spec.node_rank})
+            self.outbox.close(FLUSH_TIMEOUT_S, final=protocol.Bye(self._spec.node_rank))
 
     def close(self) -> None:
         """Flush (bounded) and hang up; safe to call more than once."""
@@ -129,15 +130,14 @@ class DriverLink:
             self.client.close()
             self.client.join(FLUSH_TIMEOUT_S)
 
-    def _on_message(self, message: Message) -> None:
-        kind = message.get("t")
-        if kind == "rendezvous":
+    def _on_message(self, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Rendezvous):
             self._on_rendezvous(message)
-        elif kind == "abort":
-            self._events.put(("abort", str(message.get("reason", "the driver aborted the run"))))
+        elif isinstance(message, protocol.Abort):
+            self._events.put(("abort", message.reason))
 
 
-def tell_driver_once(spec: AgentSpec, message: Message) -> bool:
+def tell_driver_once(spec: AgentSpec, message: protocol.Message) -> bool:
     """Connect, send one message, and hang up (best effort: the driver may be gone).
 
     Returns:

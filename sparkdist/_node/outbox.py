@@ -15,8 +15,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from sparkdist._wire import protocol
 from sparkdist._wire.client import POST_QUEUE, ChannelClient, ChannelClosed
@@ -25,8 +23,6 @@ logger = logging.getLogger("sparkdist")
 
 #: Output lines buffered for the driver before new ones are dropped (and counted).
 OUTBOX_CAPACITY = POST_QUEUE
-
-Outgoing = protocol.Message | Mapping[str, Any]
 
 
 class Outbox:
@@ -40,7 +36,7 @@ class Outbox:
 
     def __init__(self, client: ChannelClient | None, keep_lines: int = 0) -> None:
         self._client = client
-        self.kept: collections.deque[Any] = collections.deque()
+        self.kept: collections.deque[protocol.Message] = collections.deque()
         self._keep_lines = keep_lines
         self._lock = threading.Lock()
         self._closed = False
@@ -52,7 +48,7 @@ class Outbox:
         """Lines and reports that never reached the driver."""
         return self._dropped + (self._client.dropped if self._client is not None else 0)
 
-    def control(self, message: Outgoing) -> None:
+    def control(self, message: protocol.Message) -> None:
         """Send a control message (never dropped while the channel lives)."""
         if self._client is None:
             return
@@ -63,7 +59,7 @@ class Outbox:
         except protocol.ProtocolError as exc:  # a bug: say so, keep the node connected
             logger.error("sparkdist: a control message could not be sent: %s", exc)
 
-    def line(self, message: Outgoing) -> None:
+    def line(self, message: protocol.Message) -> None:
         """Send an output line or a progress report (dropped, and counted, when it cannot go)."""
         if self._client is None:
             with self._lock:
@@ -89,7 +85,7 @@ class Outbox:
                         exc,
                     )
 
-    def close(self, timeout_s: float, final: Outgoing | None = None) -> None:
+    def close(self, timeout_s: float, final: protocol.Bye | None = None) -> None:
         """Send what is queued (within ``timeout_s``), then ``final`` with the drop count.
 
         Only the first call does anything.
@@ -105,10 +101,7 @@ class Outbox:
         client.flush(timeout_s)
         if final is None:
             return
-        if isinstance(final, Mapping):
-            final = {**final, "dropped": self.dropped}
-        elif isinstance(final, protocol.Bye):
-            final = dataclasses.replace(final, dropped=self.dropped)
+        final = dataclasses.replace(final, dropped=self.dropped)
         try:
             client.send(final)
         except (ChannelClosed, protocol.ProtocolError):
@@ -116,13 +109,8 @@ class Outbox:
         client.flush(max(0.0, deadline - time.monotonic()))
 
 
-def _fitting(message: Outgoing) -> list[Outgoing]:
+def _fitting(message: protocol.Message) -> list[protocol.Message]:
     """``message``, or an over-long output line as several lines that each fit."""
     if isinstance(message, protocol.Log):
         return list(protocol.log_chunks(message.rank, message.stream, message.line))
-    if isinstance(message, Mapping) and message.get("t") == "log":
-        line = message.get("line")
-        if isinstance(line, str) and len(line) > protocol.MAX_LOG_CHARS:
-            step = protocol.MAX_LOG_CHARS
-            return [{**message, "line": line[i : i + step]} for i in range(0, len(line), step)]
     return [message]

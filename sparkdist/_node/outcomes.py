@@ -14,14 +14,14 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from sparkdist._core.errors import RankFailure
 from sparkdist._node import worker as _worker
 from sparkdist._node.detached import DetachedFailure
 from sparkdist._node.output import drain
 from sparkdist._node.ranks import RankHandle
+from sparkdist._wire import protocol
 from sparkdist._wire.payload import Outcome
 
 
@@ -127,8 +127,9 @@ def describe_exit(code: int | None) -> str:
     return f"process exited with code {code} without raising a Python exception"
 
 
-def detached_outcomes(outcomes: list[Outcome], kept: Iterable[Mapping[str, Any]]) -> list[Outcome]:
-    """A detached node's result: ``outcomes`` with the ``kept`` output lines attached.
+def detached_outcomes(outcomes: list[Outcome], kept: Iterable[protocol.Message]) -> list[Outcome]:
+    """A detached node's result: ``outcomes`` with the ``kept`` output lines attached (what
+    else was kept, progress reports, has no driver to go to).
 
     Raises:
         DetachedFailure: some ranks failed on their own (not stopped by us), in the order
@@ -136,9 +137,8 @@ def detached_outcomes(outcomes: list[Outcome], kept: Iterable[Mapping[str, Any]]
     """
     lines: dict[int, list[tuple[str, str]]] = {}
     for message in kept:
-        lines.setdefault(int(message["rank"]), []).append(
-            (str(message["stream"]), str(message["line"]))
-        )
+        if isinstance(message, protocol.Log):
+            lines.setdefault(message.rank, []).append((message.stream.value, message.line))
     failures = sorted(
         (o for o in outcomes if o.failure is not None and not o.aborted),
         key=lambda o: o.ended_at,

@@ -9,14 +9,15 @@ Non-goals: how messages travel (``outbox``); what a silent rank means (``watchdo
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 from sparkdist._core.lines import read_lines
 from sparkdist._node.outbox import Outbox
-from sparkdist._wire.channel import Message
+from sparkdist._wire import protocol
+from sparkdist._wire.protocol import ProtocolError, Route
 
 if TYPE_CHECKING:
     from sparkdist._node.ranks import RankHandle
@@ -27,15 +28,17 @@ LAST_LINES = 30
 OUTPUT_DRAIN_S = 1.0
 
 
-def pump_lines(rank: RankHandle, pipe: IO[bytes], stream: str, outbox: Outbox) -> None:
+def pump_lines(rank: RankHandle, pipe: IO[bytes], stream: protocol.Stream, outbox: Outbox) -> None:
     """Forward every line of ``pipe`` (the rank's ``stream``) until its end of file."""
     number = rank.seat.rank
     for text in read_lines(pipe):
         rank.last_lines.append(text)
-        outbox.line({"t": "log", "rank": number, "stream": stream, "line": text})
+        outbox.line(protocol.Log(number, stream, text))
 
 
-def pump_notes(rank: RankHandle, outbox: Outbox, send_control: Callable[[Message], None]) -> None:
+def pump_notes(
+    rank: RankHandle, outbox: Outbox, send_control: Callable[[protocol.Message], None]
+) -> None:
     """Act on every note the rank sends until its end of file.
 
     ``send_control`` takes what the rendezvous needs (the store's port): to the driver, or
@@ -45,19 +48,20 @@ def pump_notes(rank: RankHandle, outbox: Outbox, send_control: Callable[[Message
     number = rank.seat.rank
     for raw in notes:
         try:
-            note = json.loads(raw)
-        except ValueError:
+            note = protocol.decode(raw.rstrip(b"\n"), Route.WORKER)
+        except ProtocolError:
             continue
-        kind = note.get("t")
-        if kind == "store":
-            send_control({"t": "store", "port": int(note["port"])})
-        elif kind in ("ready", "beat", "report"):
-            rank.heard_from()
-            if kind == "ready":
-                outbox.control({"t": "ready", "rank": number})
-            elif kind == "report":
-                # Progress is droppable like output: it must never stall training.
-                outbox.line({**note, "rank": number})
+        match note:
+            case protocol.Store():
+                send_control(note)
+            case protocol.Ready() | protocol.Beat() | protocol.Report():
+                rank.heard_from()
+                # The rank is the one this pipe belongs to, whatever the note says.
+                if isinstance(note, protocol.Ready):
+                    outbox.control(protocol.Ready(number))
+                elif isinstance(note, protocol.Report):
+                    # Progress is droppable like output: it must never stall training.
+                    outbox.line(dataclasses.replace(note, rank=number))
     notes.close()
 
 

@@ -11,22 +11,16 @@ from __future__ import annotations
 from sparkdist._core.versions import unmet_requirements
 from sparkdist._node.gpus import gpu_type_mismatch, gpus_at
 from sparkdist._node.spec import AgentSpec
-from sparkdist._wire.channel import Message
+from sparkdist._wire import protocol
 
 
-def refusal_of(spec: AgentSpec) -> Message | None:
-    """The "refused" message for the driver when this node cannot run ``spec``, else None."""
+def refusal_of(spec: AgentSpec) -> protocol.Refused | None:
+    """The refusal for the driver when this node cannot run ``spec``, else None."""
     reason = _gpu_type_problem(spec)
     unmet = unmet_requirements(spec.requirements, spec.host)
     if reason is None and not unmet:
         return None
-    return {
-        "t": "refused",
-        "node": spec.node_rank,
-        "host": spec.host,
-        "reason": reason,
-        "rows": unmet,
-    }
+    return protocol.Refused(spec.node_rank, spec.host, reason, tuple(unmet))
 
 
 def _gpu_type_problem(spec: AgentSpec) -> str | None:

@@ -13,7 +13,6 @@ deciding when to end it (``agent``, ``watchdog``).
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,8 @@ from sparkdist._node.pool import RankProcess, start_rank
 from sparkdist._node.reaper import end_processes, start_time
 from sparkdist._node.spec import AgentSpec
 from sparkdist._shipping.code import put_code_first
-from sparkdist._wire.channel import Message
+from sparkdist._wire import protocol
+from sparkdist._wire.protocol import Route
 
 logger = logging.getLogger("sparkdist")
 
@@ -63,10 +63,10 @@ class RankHandle:
         self.last_beat_wall = 0.0
         self.hung_for_s: float | None = None
 
-    def tell(self, message: Message) -> None:
+    def tell(self, message: protocol.Message) -> None:
         """Send ``message`` down the rank's command pipe (nothing if it already exited)."""
         try:
-            self.ctrl_in.write(json.dumps(message).encode() + b"\n")
+            self.ctrl_in.write(protocol.encode(message, Route.WORKER) + b"\n")
             self.ctrl_in.flush()
         except (OSError, ValueError):
             pass  # it already exited; its waiter reports that

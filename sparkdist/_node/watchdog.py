@@ -17,6 +17,7 @@ from collections.abc import Collection
 from sparkdist._node import worker as _worker
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.ranks import RankHandle
+from sparkdist._wire import protocol
 
 #: How long a hung rank gets to print its stack dump before it is killed.
 STACK_DUMP_GRACE_S = 0.5
@@ -61,14 +62,13 @@ def check_heartbeats(
     time.sleep(STACK_DUMP_GRACE_S)
     for rank in sorted(silent, key=lambda r: r.last_beat_wall):
         outbox.control(
-            {
-                "t": "failed",
-                "rank": rank.seat.rank,
-                "exit_code": None,
-                "time": time.time(),
-                "hung": True,
-                "last_beat": rank.last_beat_wall,
-            }
+            protocol.Failed(
+                rank.seat.rank,
+                exit_code=None,
+                time=time.time(),
+                hung=True,
+                last_beat=rank.last_beat_wall,
+            )
         )
     names = ", ".join(str(r.seat.rank) for r in silent)
     return f"rank(s) {names} sent no heartbeat for {timeout_s} s"

@@ -2,12 +2,13 @@
 
 Started by the agent as ``python -m sparkdist._node.worker`` with the rank's torchrun
 environment and two pipes: commands from the agent (``SPARKDIST_CTRL_IN``) and notices to it
-(``SPARKDIST_CTRL_OUT``), both JSON lines. The worker starts before the rendezvous is complete,
-so its interpreter start-up and imports overlap with the store coming up:
+(``SPARKDIST_CTRL_OUT``), one ``protocol`` message a line (``Route.WORKER``), both ways. The
+worker starts before the rendezvous is complete, so its interpreter start-up and imports overlap
+with the store coming up:
 
 1. rank 0 binds a ``TCPStore`` on an OS-chosen port and keeps it for its whole life (no
    find-a-free-port race), then tells the agent the port;
-2. every worker unpickles the job while it waits for ``{"t": "rendezvous", "master_port": p}``;
+2. every worker unpickles the job while it waits for the ``protocol.Rendezvous`` (the port);
 3. it sets ``MASTER_PORT`` and runs the function, script or module, then destroys a process
    group the user left open and writes ``rank-N.value`` or ``rank-N.failure`` atomically.
 
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
-import json
 import os
 import runpy
 import shutil
@@ -36,6 +36,8 @@ from typing import Any, BinaryIO
 
 from sparkdist._core.env import DEEPSPEED_CONFIG_VAR, HOST_VAR, MODE_VAR, RUN_ID_VAR, USE_GPU_VAR
 from sparkdist._core.errors import RankFailure
+from sparkdist._wire import protocol
+from sparkdist._wire.protocol import ProtocolError, Route
 
 JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
 RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
@@ -68,25 +70,35 @@ class _AgentLink:
         self._out: BinaryIO = os.fdopen(ctrl_out, "wb", buffering=0)
         self._in: BinaryIO = os.fdopen(ctrl_in, "rb")
         self._lock = threading.Lock()
+        self.rank = 0  # this process's global rank, once ``main`` read it
         self.master_port: int | None = None
         self.rendezvous = threading.Event()
         self.rank_env: dict[str, str] = {}
         self.run_dir = ""
         threading.Thread(target=self._read, name="sparkdist-agent-link", daemon=True).start()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: protocol.Message) -> None:
+        """Send a note to the agent.
+
+        Raises:
+            ProtocolError: ``message`` is not a note a rank may send (the error says why).
+        """
+        data = protocol.encode(message, Route.WORKER) + b"\n"
         with self._lock:
             try:
-                self._out.write(json.dumps(message).encode() + b"\n")
+                self._out.write(data)
             except OSError:
                 pass  # the agent is gone; the reader thread ends the process
 
     def _read(self) -> None:
         for line in self._in:
-            message = json.loads(line)
-            if message.get("t") == "rendezvous":
-                self.master_port = int(message["master_port"])
-                self.rank_env = {str(k): str(v) for k, v in message.get("env", {}).items()}
+            try:
+                message = protocol.decode(line.rstrip(b"\n"), Route.WORKER)
+            except ProtocolError:
+                continue  # only the agent writes here; nothing else is for us
+            if isinstance(message, protocol.Rendezvous):
+                self.master_port = message.master_port
+                self.rank_env = dict(message.env)
                 self.rendezvous.set()
         # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
         # clean up after the run: remove its directory and take our whole process group
@@ -101,12 +113,17 @@ class _AgentLink:
         os.killpg(os.getpgrp(), signal.SIGKILL)
 
 
-def send_to_agent(message: dict[str, Any]) -> bool:
+def send_to_agent(message: protocol.Message) -> bool:
     """Send a note to this rank's agent; False outside a sparkdist rank."""
     if link is None:
         return False
     link.send(message)
     return True
+
+
+def own_rank() -> int | None:
+    """This process's global rank; None outside a sparkdist rank."""
+    return None if link is None else link.rank
 
 
 def main() -> None:
@@ -115,13 +132,13 @@ def main() -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     env = os.environ
     link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
-    rank = int(env["RANK"])
+    rank = link.rank = int(env["RANK"])
     result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)
     job_file = env.pop(JOB_FILE_VAR)
     start_timeout_s = float(env.pop(START_TIMEOUT_VAR, "300"))
     try:
         if rank == 0:
-            link.send({"t": "store", "port": _host_store(env, start_timeout_s)})
+            link.send(protocol.Store(_host_store(env, start_timeout_s)))
         job = _load_job(job_file)
         if not link.rendezvous.wait(start_timeout_s):
             raise TimeoutError(f"rank {rank} got no rendezvous port within {start_timeout_s} s")
@@ -129,7 +146,7 @@ def main() -> None:
         env["MASTER_PORT"] = str(link.master_port)
         _bind_device(env)
         _prepare_mode(env)
-        link.send({"t": "ready"})
+        link.send(protocol.Ready(rank))
         if env.get(MODE_VAR) == "deepspeed":
             from sparkdist._node.torch_extensions import prepare_deepspeed_rank
 

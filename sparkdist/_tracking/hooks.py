@@ -10,13 +10,13 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from sparkdist._wire.channel import Message
+from sparkdist._wire.protocol import Report
 
 
 class AttemptHooks(Protocol):
     """Hold and release the rendezvous, receive reports, guard rank output."""
 
-    on_report: Callable[[Message], None] | None
+    on_report: Callable[[Report], None] | None
     output_guard: Callable[[], contextlib.AbstractContextManager[Any]]
 
     @property

@@ -16,8 +16,6 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Mapping
-from typing import Any
 
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import Placement
@@ -26,6 +24,7 @@ from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_run import MlflowRun
 from sparkdist._tracking.mlflow_store import TRACKING_VAR, tracking_wanted
 from sparkdist._tracking.progress import ProgressDisplay
+from sparkdist._wire.protocol import Report
 
 __all__ = ["TRACKING_VAR", "RunTracker", "tracking_wanted"]
 
@@ -60,19 +59,15 @@ class RunTracker:
         if self._mlflow is not None:
             self._mlflow.hold(monitor)
 
-    def on_report(self, message: Mapping[str, Any]) -> None:
+    def on_report(self, message: Report) -> None:
         """A rank's ``runtime.report()``: runs on a channel reader thread, so it stays cheap."""
-        try:
-            rank = int(message.get("rank", 0))
-            step = message.get("step")
-            total = message.get("total")
-            metrics = {
-                str(k): float(v)
-                for k, v in dict(message.get("metrics") or {}).items()
-                if isinstance(v, (int, float)) and math.isfinite(v)
-            }
-        except (TypeError, ValueError):
-            return
+        rank, step, total = message.rank, message.step, message.total
+        # The channel admits only finite numbers; a report built in-process is held to the same.
+        metrics = {
+            str(k): float(v)
+            for k, v in message.metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
         with self._lock:
             # The lowest rank that reports is the one shown and logged: the same step must
             # not reach MLflow once per rank. Should a lower rank's first report arrive after
@@ -83,14 +78,14 @@ class RunTracker:
                 self._catching_up = self._source_rank is not None
                 self._source_rank, self._reports = rank, 0
             self._reports += 1
-            step = int(step) if step is not None else self._reports
+            step = step if step is not None else self._reports
             if self._catching_up:
                 if self._last_step is not None and step <= self._last_step:
                     return
                 self._catching_up = False
             self._last_step = step
             self.last_metrics.update(metrics)
-        self.display.update(step, int(total) if total is not None else None, metrics)
+        self.display.update(step, total, metrics)
         if self._mlflow is not None and metrics:
             self._mlflow.log_metrics(step, metrics)
 

@@ -31,11 +31,11 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.client import ChannelClient, ChannelClosed, coerce
+from sparkdist._wire.client import ChannelClient, ChannelClosed
 from sparkdist._wire.frames import new_secret
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
@@ -45,15 +45,11 @@ __all__ = [
     "ChannelServer",
     "MAX_FRAME_BYTES",
     "MAX_HANDSHAKE_BYTES",
-    "Message",
     "Peer",
     "new_secret",
 ]
 
 logger = logging.getLogger("sparkdist")
-
-#: The wire form (a dict) handed to handlers that do not take typed records (``typed=False``).
-Message = dict[str, Any]
 
 MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES
 #: A connection that has not finished the handshake this long after its accept is dropped.
@@ -102,14 +98,14 @@ class Peer:
         self.events = 0
         self.inbox = bytearray()
 
-    def send(self, message: protocol.Message | Mapping[str, Any]) -> None:
+    def send(self, message: protocol.Message) -> None:
         """Queue ``message`` for this agent; never blocks.
 
         Raises:
             ChannelClosed: the connection is gone, or the agent stopped reading.
             ProtocolError: ``message`` is not one the driver may send.
         """
-        self.send_encoded(coerce(message, Route.TO_AGENT))
+        self.send_encoded(protocol.encode(message, Route.TO_AGENT))
 
     def send_encoded(self, encoded: bytes) -> None:
         with self._lock:
@@ -180,8 +176,6 @@ class ChannelServer:
         on_message: called on the dispatch thread with (peer, message), in each agent's order.
         on_disconnect: called on the dispatch thread when an authenticated agent goes away
             (after its last message), not for the connections ``close`` ends.
-        typed: hand ``on_message`` the typed record (``protocol.Message``); False hands the
-            checked wire dict instead, for handlers not yet moved to typed records.
 
     Example:
         >>> server = ChannelServer("127.0.0.1", new_secret(), lambda peer, m: print(m))
@@ -193,16 +187,13 @@ class ChannelServer:
         self,
         host: str,
         secret: str,
-        on_message: Callable[[Peer, Any], None],
+        on_message: Callable[[Peer, protocol.Message], None],
         on_disconnect: Callable[[Peer], None] = lambda peer: None,
-        *,
-        typed: bool = False,
     ) -> None:
         self._key = frames.secret_key(secret)
         self._secret = secret
         self._on_message = on_message
         self._on_disconnect = on_disconnect
-        self._typed = typed
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -245,9 +236,9 @@ class ChannelServer:
         with self._lock:
             return list(self._peers)
 
-    def broadcast(self, message: protocol.Message | Mapping[str, Any]) -> None:
+    def broadcast(self, message: protocol.Message) -> None:
         """Send to every connected agent; never blocks; a peer that went away is skipped."""
-        encoded = coerce(message, Route.TO_AGENT)
+        encoded = protocol.encode(message, Route.TO_AGENT)
         for peer in self.peers:
             try:
                 peer.send_encoded(encoded)
@@ -645,9 +636,7 @@ class ChannelServer:
                     for message in messages:
                         if self._closing:
                             return
-                        self._on_message(
-                            peer, message if self._typed else protocol.wire_dict(message)
-                        )
+                        self._on_message(peer, message)
                 except ChannelClosed:
                     pass  # the handler answered a peer that is gone
                 except Exception:  # a handler bug must not end the channel silently

@@ -21,8 +21,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 from sparkdist._wire import frames, protocol
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
@@ -53,13 +52,6 @@ class ChannelClosed(ConnectionError):
     """The peer went away, or sent something that broke the protocol."""
 
 
-def coerce(message: protocol.Message | Mapping[str, Any], route: Route) -> bytes:
-    """``message`` encoded; a mapping is first checked as the wire form of a record."""
-    if isinstance(message, Mapping):
-        message = protocol.from_wire(dict(message), route)
-    return protocol.encode(message, route)
-
-
 class _Retry(Exception):
     """The driver dropped the connection before the handshake was over: try again."""
 
@@ -73,7 +65,6 @@ class ChannelClient:
         on_message: called on the I/O thread with every message from the driver.
         on_close: called once, on the I/O thread, when the connection ends.
         timeout_s: deadline for the connection and the handshake, retries included.
-        typed: hand ``on_message`` typed records; False hands their checked wire dicts.
 
     Raises:
         OSError: the driver's address cannot be reached.
@@ -85,16 +76,13 @@ class ChannelClient:
         self,
         address: tuple[str, int],
         secret: str,
-        on_message: Callable[[Any], None],
+        on_message: Callable[[protocol.Message], None],
         on_close: Callable[[], None] = lambda: None,
         timeout_s: float = CONNECT_TIMEOUT_S,
-        *,
-        typed: bool = False,
     ) -> None:
         self.address = address
         self._on_message = on_message
         self._on_close = on_close
-        self._typed = typed
         self._sock, self._sealer, self._inbox = _connect(
             address, frames.secret_key(secret), time.monotonic() + timeout_s
         )
@@ -120,7 +108,7 @@ class ChannelClient:
 
     # -- called by the agent -------------------------------------------------------------------
 
-    def send(self, message: protocol.Message | Mapping[str, Any]) -> None:
+    def send(self, message: protocol.Message) -> None:
         """Queue a control message (never dropped while the connection lives).
 
         Raises:
@@ -128,7 +116,7 @@ class ChannelClient:
             ChannelClosed: the connection is gone, or the driver read nothing for
                 ``SEND_TIMEOUT_S`` while the queue was full.
         """
-        data = coerce(message, Route.TO_DRIVER)
+        data = protocol.encode(message, Route.TO_DRIVER)
         deadline = time.monotonic() + SEND_TIMEOUT_S
         with self._cond:
             while len(self._control) >= CONTROL_QUEUE and not self.closed:
@@ -144,14 +132,14 @@ class ChannelClient:
             self._control.append(data)
             self._kick(urgent=True)
 
-    def post(self, message: protocol.Message | Mapping[str, Any]) -> bool:
+    def post(self, message: protocol.Message) -> bool:
         """Queue a droppable message (an output line, a report); False when it was dropped
         (queue full, connection gone), counted in ``dropped``. Never waits.
 
         Raises:
             ProtocolError: ``message`` is not one an agent may send.
         """
-        data = coerce(message, Route.TO_DRIVER)
+        data = protocol.encode(message, Route.TO_DRIVER)
         with self._cond:
             if (
                 self.closed
@@ -285,7 +273,7 @@ class ChannelClient:
                 if isinstance(message, protocol.Welcome):
                     continue
                 try:
-                    self._on_message(message if self._typed else protocol.wire_dict(message))
+                    self._on_message(message)
                 except Exception:  # the agent's bug must not cut it off from the driver
                     logger.exception("sparkdist: control channel handler failed")
 

@@ -417,11 +417,6 @@ def to_wire(message: Message) -> dict[str, Any]:
     return wire
 
 
-def wire_dict(message: Message) -> dict[str, Any]:
-    """``to_wire`` without the checks, for a record that came out of ``decode``."""
-    return _BY_CLASS[type(message)].to_wire(message)
-
-
 def encode(message: Message, route: Route | None = None) -> bytes:
     """The bytes of one message; ``ProtocolError`` for a record ``decode`` would refuse.
 

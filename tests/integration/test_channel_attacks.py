@@ -67,7 +67,7 @@ class Inbox:
 def served():
     inbox = Inbox()
     secret = new_secret()
-    server = ChannelServer(HOST, secret, inbox.on_message, inbox.on_disconnect, typed=True)
+    server = ChannelServer(HOST, secret, inbox.on_message, inbox.on_disconnect)
     yield server, secret, inbox
     started = time.monotonic()
     server.close()
@@ -76,7 +76,7 @@ def served():
 
 def _legit(port: int, secret: str, node: int = 0, **kwargs) -> ChannelClient:
     kwargs.setdefault("on_message", lambda m: None)
-    client = ChannelClient((HOST, port), secret, typed=True, timeout_s=WAIT_S, **kwargs)
+    client = ChannelClient((HOST, port), secret, timeout_s=WAIT_S, **kwargs)
     client.send(protocol.Hello(node, "legit"))
     return client
 
@@ -381,7 +381,7 @@ def on_message(peer, message):
         print(json.dumps({"hello": message.node}), flush=True)
 
 secret = new_secret()
-server = ChannelServer("127.0.0.1", secret, on_message, typed=True)
+server = ChannelServer("127.0.0.1", secret, on_message)
 print(json.dumps({"port": server.port, "secret": secret}), flush=True)
 for line in sys.stdin:
     if line.strip() == "stats":
@@ -504,7 +504,7 @@ def test_a_connection_flood_to_emfile_does_not_lock_the_agent_out():
 def test_an_agent_refuses_a_driver_without_the_secret():
     """A stranger listening where the agent expects the driver gets no proof out of it."""
     inbox = Inbox()
-    server = ChannelServer(HOST, new_secret(), inbox.on_message, typed=True)
+    server = ChannelServer(HOST, new_secret(), inbox.on_message)
     try:
         with pytest.raises(ChannelClosed, match="did not prove it knows the run's secret"):
             _legit(server.port, new_secret())

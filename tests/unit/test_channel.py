@@ -58,14 +58,14 @@ class Inbox:
 def served():
     inbox = Inbox()
     secret = new_secret()
-    server = ChannelServer("127.0.0.1", secret, inbox.on_message, inbox.on_disconnect, typed=True)
+    server = ChannelServer("127.0.0.1", secret, inbox.on_message, inbox.on_disconnect)
     yield server, secret, inbox
     server.close()
 
 
 def _client(server, secret, **kwargs) -> ChannelClient:
     kwargs.setdefault("on_message", lambda m: None)
-    return ChannelClient(("127.0.0.1", server.port), secret, typed=True, **kwargs)
+    return ChannelClient(("127.0.0.1", server.port), secret, **kwargs)
 
 
 def _frame(obj) -> bytes:
@@ -85,21 +85,20 @@ def test_typed_round_trip_both_ways(served):
     assert inbox.wait_for(lambda i: i.disconnected == [0])
 
 
-def test_handlers_not_yet_typed_get_checked_wire_dicts():
-    got, arrived = [], threading.Event()
-    secret = new_secret()
-    server = ChannelServer("127.0.0.1", secret, lambda p, m: (got.append(m), arrived.set()))
-    try:
-        client = ChannelClient(("127.0.0.1", server.port), secret, on_message=lambda m: None)
-        client.send({"t": "rows", "counts": {"0": 5}})
-        assert arrived.wait(WAIT_S) and got == [{"t": "rows", "counts": {"0": 5}}]
-        with pytest.raises(protocol.ProtocolError, match="LD_PRELOAD"):
-            server.broadcast({"t": "rendezvous", "master_port": 1, "env": {"LD_PRELOAD": "x"}})
-        with pytest.raises(protocol.ProtocolError, match="may not travel"):
-            client.send({"t": "abort", "reason": "an agent may not order this"})
-        client.close()
-    finally:
-        server.close()
+def test_only_typed_records_travel_and_each_only_its_way(served):
+    server, secret, inbox = served
+    client = _client(server, secret)
+    client.send(protocol.Rows({0: 5}))
+    assert inbox.wait_for(lambda i: i.messages == [protocol.Rows({0: 5})])
+    with pytest.raises(protocol.ProtocolError, match="not a message of the control channel"):
+        client.send({"t": "rows", "counts": {"0": 5}})  # type: ignore[arg-type]
+    with pytest.raises(protocol.ProtocolError, match="not a message of the control channel"):
+        server.broadcast({"t": "abort", "reason": "x"})  # type: ignore[arg-type]
+    with pytest.raises(protocol.ProtocolError, match="LD_PRELOAD"):
+        server.broadcast(protocol.Rendezvous(1, {"LD_PRELOAD": "x"}))
+    with pytest.raises(protocol.ProtocolError, match="may not travel"):
+        client.send(protocol.Abort("an agent may not order this"))
+    client.close()
 
 
 def test_messages_keep_their_order_and_control_goes_first(served):
@@ -215,7 +214,7 @@ def test_two_threads_whatever_the_number_of_agents():
     before = {t.name for t in threading.enumerate()}
     inbox = Inbox()
     secret = new_secret()
-    server = ChannelServer("127.0.0.1", secret, inbox.on_message, typed=True)
+    server = ChannelServer("127.0.0.1", secret, inbox.on_message)
     try:
         clients = [_client(server, secret) for _ in range(30)]
         for i, client in enumerate(clients):
@@ -243,7 +242,7 @@ def test_a_full_queue_drops_lines_and_counts_them(served, monkeypatch):
         blocked.on_message(peer, message)
 
     secret2 = new_secret()
-    slow_server = ChannelServer("127.0.0.1", secret2, slow, typed=True)
+    slow_server = ChannelServer("127.0.0.1", secret2, slow)
     try:
         client = _client(slow_server, secret2)
         big = "z" * 60_000
@@ -265,9 +264,9 @@ def test_outbox_drops_an_oversized_report_and_stays_connected(served, caplog):
     client = _client(server, secret)
     outbox = Outbox(client)
     metrics = {f"m{i}": 1.0 for i in range(protocol.MAX_METRICS + 1)}
-    outbox.line({"t": "report", "rank": 0, "step": 1, "total": None, "metrics": metrics})
-    outbox.line({"t": "log", "rank": 0, "stream": "stdout", "line": "w" * 70_000})
-    outbox.close(WAIT_S, final={"t": "bye", "node": 0})
+    outbox.line(protocol.Report(0, step=1, metrics=metrics))
+    outbox.line(protocol.Log(0, protocol.Stream.STDOUT, "w" * 70_000))
+    outbox.close(WAIT_S, final=protocol.Bye(0))
     assert inbox.wait_for(lambda i: any(isinstance(m, protocol.Bye) for m in i.messages))
     logs = [m for m in inbox.messages if isinstance(m, protocol.Log)]
     assert [len(m.line) for m in logs] == [protocol.MAX_LOG_CHARS, 70_000 - protocol.MAX_LOG_CHARS]

@@ -282,13 +282,15 @@ def test_rendezvous_carries_the_allowed_variables():
     assert message == protocol.Rendezvous(29500, env)
 
 
-def test_wire_dicts_are_the_legacy_form():
+def test_the_wire_form_of_a_record():
     failed = decode(b'{"t": "failed", "rank": 2, "exit_code": null, "time": 5}')
-    assert protocol.wire_dict(failed) == {
+    assert protocol.to_wire(failed) == {
         "t": "failed", "rank": 2, "exit_code": None, "time": 5.0, "hung": False, "last_beat": None
     }  # fmt: skip
-    rows = protocol.wire_dict(protocol.Rows({0: 5, 1: 6}))
+    rows = protocol.to_wire(protocol.Rows({0: 5, 1: 6}))
     assert rows == {"t": "rows", "counts": {"0": 5, "1": 6}}
+    with pytest.raises(ProtocolError, match="not a message of the control channel"):
+        protocol.to_wire({"t": "ready", "rank": 0})  # type: ignore[arg-type]
 
 
 def test_a_fresh_interpreter_decodes_what_this_one_encodes():

@@ -15,6 +15,7 @@ from sparkdist._engine.rank_lines import (
     rank_line_prefix,
     shows_console_progress,
 )
+from sparkdist._wire.protocol import Log, Stream
 
 
 @pytest.mark.parametrize(
@@ -48,7 +49,7 @@ def test_a_line_to_a_terminal_clears_a_spark_bar_first(terminal, monkeypatch, ba
     stream, received = terminal
     monkeypatch.setattr("sys.stdout", stream)
     monkeypatch.setattr(rank_lines, "_spark_bar_on_terminal", lambda: bar)
-    print_rank_line({"rank": 1, "stream": "stdout", "line": "step 3"})
+    print_rank_line(Log(1, Stream.STDOUT, "step 3"))
     # The terminal turns "\n" into "\r\n".
     assert received() == (CLEAR_LINE if bar else "") + "[rank 1] step 3\r\n"
 
@@ -57,7 +58,7 @@ def test_a_line_to_a_file_is_plain(monkeypatch):
     captured = io.StringIO()
     monkeypatch.setattr("sys.stderr", captured)
     monkeypatch.setattr(rank_lines, "_spark_bar_on_terminal", lambda: True)
-    print_rank_line({"rank": 0, "stream": "stderr", "line": "warning"})
+    print_rank_line(Log(0, Stream.STDERR, "warning"))
     assert captured.getvalue() == "[rank 0] warning\n"
 
 

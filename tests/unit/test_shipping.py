@@ -42,6 +42,7 @@ from sparkdist._shipping.code import (
     unpack_code,
 )
 from sparkdist._shipping import code as _shipping
+from sparkdist._wire import protocol
 from sparkdist._wire.captures import check_job_size, largest_captures
 from sparkdist._wire.payload import Job, TargetKind, dumps_job
 
@@ -235,11 +236,10 @@ def test_unmet_requirements_name_host_wanted_and_found():
 def test_every_nodes_refusal_makes_one_table():
     monitor = RunMonitor(3, 3, Deadlines(start_timeout_s=60.0))
     for node, host in ((0, "hostA"), (1, "hostB")):
-        monitor.on_message(None, {  # type: ignore[arg-type]
-            "t": "refused", "node": node, "host": host, "reason": None,
-            "rows": [[host, "torch", "2.4.0 (driver)", "2.3.1"]],
-        })
-    monitor.on_message(None, {"t": "refused", "node": 2, "reason": "host C has no H100"})  # type: ignore[arg-type]
+        monitor.on_message(None, protocol.Refused(  # type: ignore[arg-type]
+            node, host, None, ((host, "torch", "2.4.0 (driver)", "2.3.1"),)
+        ))
+    monitor.on_message(None, protocol.Refused(2, "hostC", "host C has no H100"))  # type: ignore[arg-type]
     assert monitor.state.stop_reason == "host hostA lacks the package versions the run needs (torch)"
     text = refusal_message(monitor.refusals, monitor.state.num_nodes)
     assert text.startswith("the hosts that would run the ranks do not have the packages")

@@ -15,6 +15,7 @@ from sparkdist._core.placement import Placement
 from sparkdist._tracking.mlflow_run import outcome_tags, tracking_uri
 from sparkdist._tracking.progress import ProgressDisplay
 from sparkdist._tracking.tracker import RunTracker, tracking_wanted
+from sparkdist._wire.protocol import Report
 
 
 @pytest.mark.parametrize(("flag", "env", "wanted"), [
@@ -71,7 +72,7 @@ def test_outcome_tags_name_the_root_cause():
 
 
 def report(rank, step, **metrics):
-    return {"t": "report", "rank": rank, "step": step, "total": 10, "metrics": metrics}
+    return Report(rank, step, 10, metrics)
 
 
 def test_lowest_reporting_rank_counts_and_no_step_counts_twice(monkeypatch):
@@ -85,7 +86,7 @@ def test_lowest_reporting_rank_counts_and_no_step_counts_twice(monkeypatch):
     tracker.on_report(report(1, 2, loss=100.5))  # ignored from now on
     tracker.on_report(report(0, None, acc=0.9))  # no step: counted per report
     assert tracker.last_metrics == {"loss": 0.5, "acc": 0.9}
-    tracker.on_report({"t": "report", "rank": 0, "metrics": {"bad": "x", "nan": float("nan")}})
+    tracker.on_report(Report(0, metrics={"bad": "x", "nan": float("nan")}))  # type: ignore[dict-item]
     assert tracker.last_metrics == {"loss": 0.5, "acc": 0.9}
     tracker.close(None, None)
 
