@@ -22,13 +22,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import IO
 
 from sparkdist._core.env import (
+    CTRL_IN_VAR,
+    CTRL_OUT_VAR,
     DEEPSPEED_CONFIG_VAR,
+    JOB_FILE_VAR,
     PARTITION_FILE_VAR,
+    RESULT_DIR_VAR,
     RUN_ID_VAR,
+    START_TIMEOUT_VAR,
     RankSeat,
     worker_env,
 )
-from sparkdist._node import worker as _worker
 from sparkdist._node.output import LAST_LINES
 from sparkdist._node.partition import partition_path
 from sparkdist._node.pool import RankProcess, start_rank
@@ -117,11 +121,11 @@ def spawn_rank(
     )
     cmd_read, cmd_write = os.pipe()
     note_read, note_write = os.pipe()
-    env[_worker.CTRL_IN_VAR] = str(cmd_read)
-    env[_worker.CTRL_OUT_VAR] = str(note_write)
-    env[_worker.JOB_FILE_VAR] = job_file
-    env[_worker.RESULT_DIR_VAR] = run_dir
-    env[_worker.START_TIMEOUT_VAR] = str(spec.start_timeout_s)
+    env[CTRL_IN_VAR] = str(cmd_read)
+    env[CTRL_OUT_VAR] = str(note_write)
+    env[JOB_FILE_VAR] = job_file
+    env[RESULT_DIR_VAR] = run_dir
+    env[START_TIMEOUT_VAR] = str(spec.start_timeout_s)
     put_code_first(env, code_dir)
     if expects_data:
         env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)

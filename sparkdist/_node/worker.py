@@ -34,16 +34,16 @@ import weakref
 from types import TracebackType
 from typing import Any, BinaryIO
 
+from sparkdist._core.env import CTRL_IN_VAR as CTRL_IN_VAR
+from sparkdist._core.env import CTRL_OUT_VAR as CTRL_OUT_VAR
 from sparkdist._core.env import DEEPSPEED_CONFIG_VAR, HOST_VAR, MODE_VAR, RUN_ID_VAR, USE_GPU_VAR
+from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
+from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
+from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
 
-JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
-RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
-CTRL_IN_VAR = "SPARKDIST_CTRL_IN"
-CTRL_OUT_VAR = "SPARKDIST_CTRL_OUT"
-START_TIMEOUT_VAR = "SPARKDIST_START_TIMEOUT_S"
 #: What every process this rank starts inherits: marks strays of this rank and attempt.
 _OWN_VARS = (RUN_ID_VAR, "TORCHELASTIC_RESTART_COUNT", "RANK")
 
