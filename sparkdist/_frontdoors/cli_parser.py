@@ -69,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_TOP_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from sparkdist import __version__
+    from importlib.metadata import version
+
+    __version__ = version("sparkdist")  # the package metadata: its one definition
 
     parser.add_argument("--version", action="version", version=f"sparkdist {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="{run,doctor}", required=True)
