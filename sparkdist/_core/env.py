@@ -148,10 +148,9 @@ def check_user_env(env: object) -> dict[str, str]:
             )
         if launcher_owns(name):
             raise ConfigError(
-                f"env sets {name}, which sparkdist sets itself in every rank (with RANK, "
-                "WORLD_SIZE, MASTER_ADDR, MASTER_PORT, CUDA_VISIBLE_DEVICES, TORCHELASTIC_* and "
-                f"its SPARKDIST_* bootstrap variables); drop {name} from env: "
-                f"{_OWNED_HINTS.get(name, 'read it in the rank with sparkdist.runtime')}"
+                f"env sets {name}, which sparkdist sets itself in every rank (as it does the "
+                "rest of torchrun's variables, TORCHELASTIC_* and its own SPARKDIST_* bootstrap "
+                f"variables); drop {name} from env: {_OWNED_HINTS.get(name, _OWNED_HINT)}"
             )
         if not isinstance(value, str):
             raise ConfigTypeError(
@@ -163,6 +162,7 @@ def check_user_env(env: object) -> dict[str, str]:
 
 
 #: How to get what an owned variable would have given.
+_OWNED_HINT = "inside a rank, sparkdist.runtime tells the rank, the world size and the rest"
 _OWNED_HINTS = {
     "CUDA_VISIBLE_DEVICES": "each rank gets its own GPU (use_gpu=False for none); in local mode, "
     "set CUDA_VISIBLE_DEVICES in the driver's environment to choose the GPUs ranks may use",
