@@ -46,7 +46,7 @@ from sparkdist._engine.supervisor import (
     result_of,
     supervise,
 )
-from sparkdist._node.agent import AgentSpec
+from sparkdist._node.spec import AgentSpec
 from sparkdist._shipping.code import ModuleRecorder, pack_local_code
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.captures import check_job_size

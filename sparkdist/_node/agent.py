@@ -32,6 +32,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from sparkdist._core.env import seats_of_node
+from sparkdist._core.files import (
+    AGENT_RUN_KIND,
+    agent_run_dir_prefix,
+    sweep_dead_owners,
+    write_private_file,
+)
 from sparkdist._core.versions import refusal_error
 from sparkdist._node.driver_link import DriverLink, tell_driver_once
 from sparkdist._node.outbox import Outbox
@@ -46,8 +52,7 @@ from sparkdist._shipping.code import unpack_code
 from sparkdist._wire import protocol
 from sparkdist._wire.payload import Outcome
 
-# ``AgentSpec`` is re-exported: importers written before the split keep working.
-__all__ = ["Agent", "AgentSpec", "run_agent"]
+__all__ = ["Agent", "run_agent"]
 
 logger = logging.getLogger("sparkdist")
 
@@ -122,8 +127,11 @@ class Agent:
         self.lock = threading.Lock()
 
     def run(self) -> list[Outcome]:
+        # A killed driver (local mode) or Python worker (Spark) left its run directory, with
+        # the pickled job in it: gone at the next start on this host.
+        sweep_dead_owners(AGENT_RUN_KIND)
         run_dir = self.run_dir = tempfile.mkdtemp(
-            prefix=f"sparkdist-{self.spec.run_id}-{self.spec.node_rank}-"
+            prefix=agent_run_dir_prefix(self.spec.run_id, self.spec.node_rank)
         )
         try:
             refusal = refusal_of(self.spec)
@@ -134,8 +142,7 @@ class Agent:
                 return []
             job_file = self.spec.job_file or os.path.join(run_dir, "job.pkl")
             if self.spec.job_file is None:
-                with open(job_file, "wb") as f:
-                    f.write(self.spec.job_bytes)
+                write_private_file(job_file, self.spec.job_bytes)
             if self.spec.code_zip is not None:
                 self.code_dir = unpack_code(run_dir, self.spec.code_zip)
             # Spawn first: the ranks' interpreter start-up overlaps with our handshake.

@@ -33,6 +33,7 @@ from sparkdist._core.env import (
     RankSeat,
     worker_env,
 )
+from sparkdist._core.files import write_private_file
 from sparkdist._node.output import LAST_LINES
 from sparkdist._node.partition import partition_path
 from sparkdist._node.pool import RankProcess, start_rank
@@ -90,8 +91,7 @@ def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
     extra = dict(spec.extra_env)
     if spec.deepspeed_config_json is not None:
         config_path = os.path.join(run_dir, "deepspeed_config.json")
-        with open(config_path, "w", encoding="utf-8") as f:
-            f.write(spec.deepspeed_config_json)
+        write_private_file(config_path, spec.deepspeed_config_json.encode())
         extra[DEEPSPEED_CONFIG_VAR] = config_path
     return extra
 
