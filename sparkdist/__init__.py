@@ -10,6 +10,7 @@ from sparkdist._core.config import Mode
 from sparkdist._core.errors import (
     ClusterError,
     ConfigError,
+    ConfigTypeError,
     RankFailure,
     RendezvousError,
     RunTimeoutError,
@@ -27,6 +28,7 @@ __version__ = _metadata.version("sparkdist")
 __all__ = [
     "ClusterError",
     "ConfigError",
+    "ConfigTypeError",
     "DeepspeedTorchDistributor",
     "Distributor",
     "GPUType",

@@ -62,6 +62,7 @@ class RunRequest:
     script_args: tuple[str, ...] = ()
     master: str | None = None
     spark_conf: dict[str, str] = field(default_factory=dict)
+    dry_run: bool = False
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,6 +132,7 @@ def run_request(args: argparse.Namespace) -> RunRequest:
         script_args=script_args(args.script_args),
         master=args.master,
         spark_conf=spark_conf,
+        dry_run=args.dry_run,
     )
 
 
@@ -164,6 +166,17 @@ def execute(request: RunRequest) -> int:
             from sparkdist._backends.session import create_session
 
             session = distributor.spark = create_session(request.master, request.spark_conf)
+        if request.dry_run:
+            from sparkdist._wire.payload import Job, TargetKind
+            from sparkdist.distributor import make_job
+
+            job = (
+                Job(kind=TargetKind.MODULE, target=request.target, argv=request.script_args)
+                if request.module
+                else make_job(request.target, request.script_args, {})
+            )
+            print(distributor._plan(job).describe())
+            return 0
         if request.module:
             distributor._run_module(request.target, *request.script_args)
         else:

@@ -23,9 +23,10 @@ from sparkdist._core.config import (
 )
 from sparkdist._core.errors import ConfigError, SparkdistError
 from sparkdist._core.placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
+from sparkdist._core.plan import LaunchPlan
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
-from sparkdist._engine.launch import launch
+from sparkdist._engine.launch import launch, prepare
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
@@ -205,6 +206,13 @@ class Distributor:
         """pyspark's private ``TorchDistributor._train_on_dataframe``, for compatibility:
         ``run(train_function, *args, spark_dataframe=spark_dataframe, **kwargs)``."""
         return self.run(train_function, *args, spark_dataframe=spark_dataframe, **kwargs)
+
+    def _plan(self, job: Job) -> LaunchPlan:
+        """Everything ``run`` would do with ``job``, decided and checked, nothing started (the
+        CLI's ``--dry-run``)."""
+        return prepare(
+            self.config, job, session=self.spark, ignore_ssl_key=self._ignore_ssl_key
+        ).plan
 
     def _run_module(self, module: str, *argv: str) -> RunResult:
         """Run ``python -m module argv...`` on every rank (the CLI's ``-m``)."""

@@ -51,6 +51,8 @@ class ConfigTypeError(ConfigError, TypeError):
     """An argument of the wrong type (``env='X=1'``, ``checkpoint_dir=123``, an ``async def``
     training function): a ``ConfigError`` that ``except TypeError`` catches too."""
 
+    __module__ = "sparkdist"
+
 
 class ClusterError(SparkdistError, RuntimeError):
     """The cluster (or the driver machine) cannot host the run as configured."""

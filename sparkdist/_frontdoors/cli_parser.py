@@ -126,6 +126,12 @@ def _add_run(commands: Any, verbosity: argparse.ArgumentParser) -> None:
         # An option with no spelling here is not offered, for the reason the parity test
         # (tests/unit/test_front_door_parity.py) gives: job sizes, say, with no pickled job.
     run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything and print the launch plan (ranks, nodes, GPUs, limits), then "
+        "exit without starting a rank",
+    )
+    run.add_argument(
         "-m",
         "--module",
         action="store_true",

@@ -122,7 +122,7 @@ def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_p
     assert done.returncode == 5, done.stderr
     assert "[rank 0] rank 0 of 2 args ['--seed', '7']" in done.stdout
     assert "[rank 1] rank 1 of 2 args ['--seed', '7']" in done.stdout
-    assert "rank 1" in done.stderr and "exit code: 5" in done.stderr
+    assert "rank 1" in done.stderr and "exit code 5" in done.stderr
     assert not run_processes()
 
 

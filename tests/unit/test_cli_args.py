@@ -186,3 +186,23 @@ def _failed(exit_code: int | None) -> WorkerFailedError:
 )
 def test_exit_code_of(error, code):
     assert exit_code_of(error) == code
+
+
+def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    import psutil
+
+    from sparkdist import cli
+
+    script = tmp_path / "train.py"
+    script.write_text("print('never runs')\n")
+    monkeypatch.setenv("SPARKDIST_MLFLOW", "0")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    code = cli.main(["run", "-n", "3", "--cpu", "--timeout", "60", "--dry-run", str(script),
+                     "--", "--lr", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"plan: {script} on 3 rank(s), mode=ddp" in out
+    assert "backend: local; 1 node(s) x 3 rank(s); CPU (gloo)" in out
+    assert "timeout_s=60" in out and "rank 2: node 0, local rank 2" in out
+    assert "never runs" not in out
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

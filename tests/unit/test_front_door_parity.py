@@ -65,8 +65,8 @@ SPELLINGS = {
     "fixture": {"num_processes": "n"},
 }
 
-#: The CLI's arguments that say what to run, not how: no launch option.
-CLI_OWN = {"help", "verbose", "module", "target", "script_args", "conf"}
+#: The CLI's arguments that say what to run (or only to plan it), not how: no launch option.
+CLI_OWN = {"help", "verbose", "module", "target", "script_args", "conf", "dry_run"}
 #: The CLI's hand-written flags (dest -> option), from cli_parser.HAND_SPELLED.
 CLI_HAND_DESTS = {"master": "local_mode", "local": "local_mode", "cpu": "use_gpu"}
 
