@@ -13,10 +13,10 @@ nothing received is ever unpickled. A frame that fails ends that connection (its
 lost). Results never travel here; they come back through Spark's collect (or, in local mode,
 the agent's return value).
 
-Back-pressure: when the handlers fall behind, the I/O thread stops reading from agents (TCP
-then holds their frames, and their droppable output queues fill and drop, counted); sends to
-an agent never block the sender, and an agent that stops reading is dropped once its backlog
-passes ``MAX_PEER_BACKLOG_BYTES``. ``close`` returns within ``CLOSE_TIMEOUT_S``.
+Back-pressure: when the handlers fall behind (``dispatch``), the I/O thread stops reading from
+agents (TCP then holds their frames, and their droppable output queues fill and drop, counted);
+sends to an agent never block the sender, and an agent that stops reading is dropped once its
+backlog passes ``peer.MAX_PEER_BACKLOG_BYTES``. ``close`` returns within ``CLOSE_TIMEOUT_S``.
 
 Non-goals: what the messages mean (the supervisor and the agent decide), reliability beyond
 TCP. The agent's side is ``client.ChannelClient``.
@@ -36,7 +36,9 @@ from typing import Any
 
 from sparkdist._wire import frames, protocol
 from sparkdist._wire.client import ChannelClient, ChannelClosed
+from sparkdist._wire.dispatch import Dispatcher, Item
 from sparkdist._wire.frames import new_secret
+from sparkdist._wire.peer import Peer
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
 __all__ = [
@@ -64,95 +66,10 @@ ACCEPT_BACKOFF_S = 0.05
 ACCEPT_BATCH = 64
 #: ``close`` returns within this, whatever the agents do.
 CLOSE_TIMEOUT_S = 0.5
-#: Bytes waiting to be sent to one agent before it counts as gone (it stopped reading).
-MAX_PEER_BACKLOG_BYTES = 8 << 20
-#: Messages waiting for the handlers before the I/O thread stops reading from agents.
-DISPATCH_HIGH_WATER = 20_000
-DISPATCH_LOW_WATER = 5_000
 #: Bytes read from one connection per turn (fairness between agents).
 READ_CHUNK = 256 << 10
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _LISTENER = object()  # the selector's tag for the listening socket (None tags the wake-up)
-
-
-class Peer:
-    """The driver's end of one authenticated agent connection.
-
-    Attributes:
-        node: the node (barrier task) the agent said it runs, once it said so.
-        address: the agent's (host, port).
-    """
-
-    node: int | None = None
-
-    def __init__(self, server: ChannelServer, sock: socket.socket, sealer: frames.Sealer) -> None:
-        self._server = server
-        self.sock = sock
-        self.address: Any = _peer_name(sock)
-        self._sealer = sealer
-        self._lock = threading.Lock()
-        self._out = bytearray()
-        self.closed = False
-        self.broken: str | None = None  # why a sender gave up on it; the I/O thread drops it
-        self.paused = False
-        self.events = 0
-        self.inbox = bytearray()
-
-    def send(self, message: protocol.Message) -> None:
-        """Queue ``message`` for this agent; never blocks.
-
-        Raises:
-            ChannelClosed: the connection is gone, or the agent stopped reading.
-            ProtocolError: ``message`` is not one the driver may send.
-        """
-        self.send_encoded(protocol.encode(message, Route.TO_AGENT))
-
-    def send_encoded(self, encoded: bytes) -> None:
-        with self._lock:
-            if self.closed or self.broken:
-                raise ChannelClosed(f"the connection to node {self.node} is closed")
-            frame = self._sealer.seal(protocol.encode_batch([encoded]))
-            if len(self._out) + len(frame) > MAX_PEER_BACKLOG_BYTES:
-                self.broken = (
-                    f"node {self.node} read nothing of the last {len(self._out)} bytes sent to it"
-                )
-                self._server._want(self)
-                raise ChannelClosed(self.broken)
-            if not self._out:  # send now when nothing waits: no trip through the I/O thread
-                try:
-                    sent = self.sock.send(frame)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError as exc:
-                    self.broken = f"sending to node {self.node} failed: {exc}"
-                    self._server._want(self)
-                    raise ChannelClosed(self.broken) from exc
-                frame = frame[sent:]
-            if frame:
-                self._out += frame
-                self._server._want(self)
-
-    def flush(self) -> bool:
-        """Send what the socket takes (I/O thread); True while bytes remain."""
-        with self._lock:
-            if self._out and not self.closed:
-                try:
-                    sent = self.sock.send(self._out)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                del self._out[:sent]
-            return bool(self._out)
-
-    def mark_closed(self) -> None:
-        with self._lock:
-            self.closed = True
-            self._out.clear()
-
-    def open_frame(self, body: bytes) -> bytes:
-        return self._sealer.open(body)
-
-    def __repr__(self) -> str:
-        return f"Peer(node={self.node}, address={self.address})"
 
 
 class _Pending:
@@ -192,8 +109,6 @@ class ChannelServer:
     ) -> None:
         self._key = frames.secret_key(secret)
         self._secret = secret
-        self._on_message = on_message
-        self._on_disconnect = on_disconnect
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -217,15 +132,8 @@ class ChannelServer:
         self._resume_reads = False
         self._closing = False
         self._warned: set[str] = set()
-        self._dispatch: collections.deque[tuple[Peer, list[protocol.Message] | None]] = (
-            collections.deque()
-        )
-        self._queued = 0  # messages in _dispatch
-        self._dispatch_cond = threading.Condition()
+        self._dispatcher = Dispatcher(on_message, on_disconnect, self._resume)
         self._io = threading.Thread(target=self._io_loop, name="sparkdist-channel-io", daemon=True)
-        self._dispatcher = threading.Thread(
-            target=self._dispatch_loop, name="sparkdist-channel-dispatch", daemon=True
-        )
         self._io.start()
         self._dispatcher.start()
 
@@ -252,16 +160,20 @@ class ChannelServer:
         for the connections closed here.
         """
         deadline = time.monotonic() + CLOSE_TIMEOUT_S
-        with self._dispatch_cond:
-            self._closing = True
-            self._dispatch.clear()
-            self._dispatch_cond.notify_all()
+        self._closing = True
+        self._dispatcher.close()
         self._wake()
-        for thread in (self._io, self._dispatcher):
+        for thread in (self._io, self._dispatcher.thread):
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- called by senders -------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """The handlers caught up: read again from the agents paused for them."""
+        with self._lock:
+            self._resume_reads = True
+        self._wake()
 
     def _want(self, peer: Peer) -> None:
         with self._lock:
@@ -283,7 +195,7 @@ class ChannelServer:
     def _io_loop(self) -> None:
         self._selector = selectors.DefaultSelector()
         self._pending: collections.OrderedDict[socket.socket, _Pending] = collections.OrderedDict()
-        self._round: list[tuple[Peer, list[protocol.Message] | None]] = []
+        self._round: list[Item] = []
         self._listening = False
         self._accept_again_at = 0.0
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
@@ -472,7 +384,7 @@ class ChannelServer:
 
     def _promote(self, pending: _Pending, sealer: frames.Sealer) -> None:
         del self._pending[pending.sock]
-        peer = Peer(self, pending.sock, sealer)
+        peer = Peer(self._want, pending.sock, sealer)
         peer.events = selectors.EVENT_READ
         self._selector.modify(pending.sock, selectors.EVENT_READ, peer)
         try:
@@ -543,14 +455,7 @@ class ChannelServer:
         if not self._round:
             return
         items, self._round = self._round, []
-        with self._dispatch_cond:
-            if self._closing:
-                return
-            self._dispatch.extend(items)
-            self._queued += sum(len(messages) for _, messages in items if messages)
-            self._dispatch_cond.notify()
-            behind = self._queued >= DISPATCH_HIGH_WATER
-        if behind:  # leave the rest in TCP for now
+        if self._dispatcher.put(items):  # leave the rest in TCP for now
             for peer, _ in items:
                 if not peer.closed and not peer.paused:
                     peer.paused = True
@@ -612,36 +517,6 @@ class ChannelServer:
             _close_quietly(None, sock)
         self._selector.close()
 
-    # -- the dispatch thread -----------------------------------------------------------------
-
-    def _dispatch_loop(self) -> None:
-        while True:
-            with self._dispatch_cond:
-                while not self._dispatch and not self._closing:
-                    self._dispatch_cond.wait()
-                if self._closing:
-                    return
-                items, self._dispatch = self._dispatch, collections.deque()
-                behind = self._queued >= DISPATCH_LOW_WATER
-                self._queued = 0
-            if behind:  # the I/O thread may read again from the agents it paused
-                with self._lock:
-                    self._resume_reads = True
-                self._wake()
-            for peer, messages in items:
-                try:
-                    if messages is None:
-                        self._on_disconnect(peer)
-                        continue
-                    for message in messages:
-                        if self._closing:
-                            return
-                        self._on_message(peer, message)
-                except ChannelClosed:
-                    pass  # the handler answered a peer that is gone
-                except Exception:  # a handler bug must not end the channel silently
-                    logger.exception("sparkdist: control channel handler failed")
-
     def _warn_once(self, key: str, text: str, *args: Any) -> None:
         if key in self._warned:
             logger.debug(text, *args)
@@ -660,10 +535,3 @@ def _close_quietly(selector: selectors.BaseSelector | None, sock: socket.socket)
         sock.close()
     except OSError:
         pass
-
-
-def _peer_name(sock: socket.socket) -> Any:
-    try:
-        return sock.getpeername()
-    except OSError:
-        return None

@@ -1,19 +1,20 @@
-"""Every message of the control channel, as a typed record, and its one encoder and decoder.
+"""The control channel's one encoder and decoder, for the records of ``messages``.
 
-A message is a frozen dataclass; on the wire it is one JSON object whose ``"t"`` names its
-kind. ``decode`` is the only way in: it checks the kind, that every field is present (or has a
-default), that nothing else is, and each field's type and size, and raises ``ProtocolError`` on
-anything else, whatever the bytes (it never unpickles; the JSON parser's depth is bounded
-and every field's shape is fixed, so no input reaches a ``RecursionError`` or a ``TypeError``).
-``encode`` checks the same rules on the way out, so a record that would be refused is refused
-at its sender, naming the field, its size and the limit.
+A message is a frozen dataclass (``messages``; each is re-exported here, as ``protocol.Hello``).
+On the wire it is one JSON object whose ``"t"`` names its kind. ``decode`` is the only way in:
+it checks the kind, that every field is present (or has a default), that nothing else is, and
+each field's type and size, and raises ``ProtocolError`` on anything else, whatever the bytes
+(it never unpickles; the JSON parser's depth is bounded and every field's shape is fixed, so no
+input reaches a ``RecursionError`` or a ``TypeError``). ``encode`` checks the same rules on the
+way out, so a record that would be refused is refused at its sender, naming the field, its size
+and the limit.
 
 Which way a kind may travel is part of its definition (``Route``): the driver accepts only
 what agents send, an agent only what the driver sends, and a handshake only handshake kinds.
 A frame of the channel carries a batch: a JSON array of messages (``encode_batch``).
 
-Non-goals: sockets, authentication, framing (``channel``), what a message means (the agent
-and the supervisor decide).
+Non-goals: the records themselves (``messages``), sockets, authentication, framing
+(``channel``), what a message means (the agent and the supervisor decide).
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeAlias
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from sparkdist._core.env import RENDEZVOUS_ENV_VARS
 from sparkdist._wire.fields import (
     Check,
+    ProtocolError,
     boolean,
     hex_digits,
     integer,
@@ -41,46 +43,83 @@ from sparkdist._wire.fields import (
     show,
     text,
 )
-from sparkdist._wire.fields import ProtocolError as ProtocolError
+from sparkdist._wire.messages import (
+    MAX_ENV_VALUE_CHARS,
+    MAX_FRAME_BYTES,
+    MAX_HANDSHAKE_BYTES,
+    MAX_LOG_CHARS,
+    MAX_MESSAGE_BYTES,
+    MAX_METRIC_NAME_CHARS,
+    MAX_METRICS,
+    MAX_NAME_CHARS,
+    MAX_REASON_CHARS,
+    MAX_ROWS,
+    NONCE_BYTES,
+    PROTOCOL_VERSION,
+    Abort,
+    Beat,
+    Bye,
+    ClientHello,
+    ClientProof,
+    Failed,
+    Hello,
+    Log,
+    Message,
+    Ready,
+    Refused,
+    Rendezvous,
+    Report,
+    Route,
+    Rows,
+    ServerProof,
+    Store,
+    Stream,
+    Welcome,
+    log_chunks,
+)
 
-#: The handshake's protocol version: a driver and an agent of different versions never pair.
-PROTOCOL_VERSION = 2
-#: Largest frame payload (a batch of messages) after the handshake.
-MAX_FRAME_BYTES = 1 << 20
-#: Largest single message: one always fits in a frame on its own.
-MAX_MESSAGE_BYTES = MAX_FRAME_BYTES - 16
-#: Largest frame during the handshake.
-MAX_HANDSHAKE_BYTES = 1024
-#: Longest output line in one ``Log``; a longer one travels as several (``log_chunks``).
-MAX_LOG_CHARS = 64 * 1024
-#: Longest reason (abort, refusal): longer ones are cut on construction, not refused.
-MAX_REASON_CHARS = 16 * 1024
-#: Longest host name, metric name, package row cell.
-MAX_NAME_CHARS = 1024
-MAX_METRIC_NAME_CHARS = 250  # MLflow's limit for a metric key
-#: Most metrics in one ``runtime.report()``.
-MAX_METRICS = 1000
-#: Most rows in a refusal (one per unmet requirement) or row counts in one ``Rows``.
-MAX_ROWS = 4096
-#: Longest value of a rendezvous variable (the row counts of a very large world fit).
-MAX_ENV_VALUE_CHARS = 256 * 1024
-#: Nonces and MACs are 32 bytes, sent as 64 hex digits.
-NONCE_BYTES = 32
-
-
-class Route(enum.Enum):
-    """Where a kind of message may travel."""
-
-    TO_DRIVER = "agent to driver"
-    TO_AGENT = "driver to agent"
-    HANDSHAKE = "handshake"
-    WORKER = "worker to agent (its pipe)"
-
-
-class Stream(str, enum.Enum):
-    STDOUT = "stdout"
-    STDERR = "stderr"
-
+__all__ = [
+    "Abort",
+    "Beat",
+    "Bye",
+    "ClientHello",
+    "ClientProof",
+    "Failed",
+    "Hello",
+    "Log",
+    "MAX_ENV_VALUE_CHARS",
+    "MAX_FRAME_BYTES",
+    "MAX_HANDSHAKE_BYTES",
+    "MAX_LOG_CHARS",
+    "MAX_MESSAGE_BYTES",
+    "MAX_METRICS",
+    "MAX_METRIC_NAME_CHARS",
+    "MAX_NAME_CHARS",
+    "MAX_REASON_CHARS",
+    "MAX_ROWS",
+    "Message",
+    "NONCE_BYTES",
+    "PROTOCOL_VERSION",
+    "ProtocolError",
+    "Ready",
+    "Refused",
+    "Rendezvous",
+    "Report",
+    "Route",
+    "Rows",
+    "ServerProof",
+    "Store",
+    "Stream",
+    "Welcome",
+    "decode",
+    "decode_batch",
+    "encode",
+    "encode_batch",
+    "from_wire",
+    "kind_of",
+    "log_chunks",
+    "to_wire",
+]
 
 _NODE = integer(0, (1 << 31) - 1)
 _RANK = integer(0, (1 << 31) - 1)
@@ -90,205 +129,6 @@ _REASON = text(MAX_REASON_CHARS)
 _HEX = hex_digits(2 * NONCE_BYTES)
 _STREAM = one_of({"stdout": Stream.STDOUT, "stderr": Stream.STDERR})
 _ENV_KEY = member(RENDEZVOUS_ENV_VARS, "a variable the rendezvous may set")
-
-
-def _clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
-    """Reasons are for people: an over-long one is cut (its start says what happened)."""
-    if len(text) <= limit:
-        return text
-    marker = " ... (cut)"
-    return text[: limit - len(marker)] + marker
-
-
-# -- the messages ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Hello:
-    """Agent to driver: this node passed its checks and spawned its ranks."""
-
-    node: int
-    host: str
-    kind: ClassVar[str] = "hello"
-
-
-@dataclass(frozen=True)
-class Store:
-    """Agent to driver (and worker to agent): rank 0's store listens on ``port``."""
-
-    port: int
-    kind: ClassVar[str] = "store"
-
-
-@dataclass(frozen=True)
-class Ready:
-    """Agent to driver: ``rank`` received the rendezvous and runs the user's code."""
-
-    rank: int
-    kind: ClassVar[str] = "ready"
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Agent to driver: ``rank`` failed on its own (exited non-zero, died, or hung).
-
-    Attributes:
-        rank: the global rank.
-        exit_code: its exit status (negative: a signal), None when it did not exit (a hang).
-        time: wall-clock time the agent saw it (seconds since the epoch).
-        hung: it stopped sending heartbeats.
-        last_beat: for a hang, the wall-clock time of its last heartbeat.
-    """
-
-    rank: int
-    exit_code: int | None
-    time: float
-    hung: bool = False
-    last_beat: float | None = None
-    kind: ClassVar[str] = "failed"
-
-
-@dataclass(frozen=True)
-class Rows:
-    """Agent to driver: DataFrame rows each of this node's ranks got, by global rank."""
-
-    counts: Mapping[int, int]
-    kind: ClassVar[str] = "rows"
-
-
-@dataclass(frozen=True)
-class Refused:
-    """Agent to driver: this node will not start its ranks.
-
-    Attributes:
-        node: the node.
-        host: its host.
-        reason: why, in words (a wrong GPU type), or None.
-        rows: unmet package requirements, as (host, package, wanted, found).
-    """
-
-    node: int
-    host: str
-    reason: str | None
-    rows: tuple[tuple[str, str, str, str], ...] = ()
-    kind: ClassVar[str] = "refused"
-
-    def __post_init__(self) -> None:
-        if self.reason is not None:
-            object.__setattr__(self, "reason", _clip(self.reason))
-
-
-@dataclass(frozen=True)
-class Bye:
-    """Agent to driver, last: every rank of ``node`` ended and all its output was sent,
-    except ``dropped`` lines (and reports) that the driver could not take in time."""
-
-    node: int
-    dropped: int = 0
-    kind: ClassVar[str] = "bye"
-
-
-@dataclass(frozen=True)
-class Log:
-    """Agent to driver: one line a rank printed (without its newline)."""
-
-    rank: int
-    stream: Stream
-    line: str
-    kind: ClassVar[str] = "log"
-
-
-@dataclass(frozen=True)
-class Report:
-    """Agent to driver (and worker to agent): a rank's ``runtime.report()``."""
-
-    rank: int
-    step: int | None = None
-    total: int | None = None
-    metrics: Mapping[str, float] = field(default_factory=dict)
-    kind: ClassVar[str] = "report"
-
-
-@dataclass(frozen=True)
-class Beat:
-    """Worker to agent: this rank is alive (``runtime.heartbeat()``)."""
-
-    rank: int
-    kind: ClassVar[str] = "beat"
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Driver to agent: the store's port, and the variables every rank gets before it runs
-    user code (only those of ``RENDEZVOUS_ENV_VARS``)."""
-
-    master_port: int
-    env: Mapping[str, str] = field(default_factory=dict)
-    kind: ClassVar[str] = "rendezvous"
-
-
-@dataclass(frozen=True)
-class Abort:
-    """Driver to agent: end every rank now, for ``reason``."""
-
-    reason: str
-    kind: ClassVar[str] = "abort"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "reason", _clip(self.reason))
-
-
-@dataclass(frozen=True)
-class ClientHello:
-    """Handshake, agent first: its protocol version and a fresh nonce."""
-
-    version: int
-    nonce: str
-    kind: ClassVar[str] = "c_hello"
-
-
-@dataclass(frozen=True)
-class ServerProof:
-    """Handshake, driver: its fresh nonce and its proof of the secret over both nonces."""
-
-    nonce: str
-    mac: str
-    kind: ClassVar[str] = "s_proof"
-
-
-@dataclass(frozen=True)
-class ClientProof:
-    """Handshake, agent, once the driver's proof checked out: its own proof."""
-
-    mac: str
-    kind: ClassVar[str] = "c_proof"
-
-
-@dataclass(frozen=True)
-class Welcome:
-    """The driver's first authenticated frame: the agent is in."""
-
-    kind: ClassVar[str] = "welcome"
-
-
-Message: TypeAlias = (
-    Hello
-    | Store
-    | Ready
-    | Failed
-    | Rows
-    | Refused
-    | Bye
-    | Log
-    | Report
-    | Beat
-    | Rendezvous
-    | Abort
-    | ClientHello
-    | ServerProof
-    | ClientProof
-    | Welcome
-)
 
 
 @dataclass(frozen=True)
@@ -551,17 +391,6 @@ def _parse(data: bytes, limit: int) -> Any:
         raise
     except (ValueError, RecursionError, MemoryError) as exc:
         raise ProtocolError(f"not a JSON message: {str(exc)[:200]}") from None
-
-
-def log_chunks(rank: int, stream: Stream | str, text: str) -> list[Log]:
-    """``text`` as ``Log`` messages that each fit the limit (an over-long line is cut up)."""
-    kind = Stream(stream)
-    if len(text) <= MAX_LOG_CHARS:
-        return [Log(rank, kind, text)]
-    return [
-        Log(rank, kind, text[start : start + MAX_LOG_CHARS])
-        for start in range(0, len(text), MAX_LOG_CHARS)
-    ]
 
 
 def kind_of(tag: str) -> type[Any] | None:

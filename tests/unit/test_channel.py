@@ -276,10 +276,10 @@ def test_outbox_drops_an_oversized_report_and_stays_connected(served, caplog):
 
 
 def test_an_agent_that_stops_reading_is_dropped_not_waited_for(served, monkeypatch):
-    import sparkdist._wire.channel as channel
+    import sparkdist._wire.peer as peer
 
     server, secret, inbox = served
-    monkeypatch.setattr(channel, "MAX_PEER_BACKLOG_BYTES", 1 << 20)
+    monkeypatch.setattr(peer, "MAX_PEER_BACKLOG_BYTES", 1 << 20)
     raw = socket.create_connection(("127.0.0.1", server.port))
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     key = frames.secret_key(secret)
