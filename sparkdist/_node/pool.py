@@ -44,7 +44,20 @@ _ENV_KEYS = (
     "OPENBLAS_L2_SIZE",
 )
 
-_WORKER_COMMAND = [sys.executable, "-c", "from sparkdist._node.worker import main; main()"]
+
+def python_command(module: str, *args: str) -> list[str]:
+    """``python -c`` running ``module.main()``, minus the implicit working-directory entry that
+    ``-c`` puts first on ``sys.path``: a ``torch.py`` or ``cloudpickle.py`` lying in the
+    directory a rank starts in must not shadow the real package. Ranks import exactly what the
+    driver would: its ``sys.path``, passed explicitly in ``PYTHONPATH`` (``_backends.local``).
+    """
+    code = (
+        f"import sys; sys.path[:] = [p for p in sys.path if p]; from {module} import main; main()"
+    )
+    return [sys.executable, "-c", code, *args]
+
+
+_WORKER_COMMAND = python_command("sparkdist._node.worker")
 
 
 class RankProcess:
@@ -145,12 +158,7 @@ class _Zygote:
         env = dict(os.environ)
         env[ZYGOTE_VAR] = "1"
         self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                "from sparkdist._node.zygote import main; main()",
-                self.socket_path,
-            ],
+            python_command("sparkdist._node.zygote", self.socket_path),
             stdin=subprocess.PIPE,  # its end of file tells the zygote we are gone
             stdout=subprocess.PIPE,
             env=env,

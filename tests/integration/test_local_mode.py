@@ -293,3 +293,24 @@ def test_a_long_silence_loses_no_output(monkeypatch, capfd):
     assert result.values == ["done", "done"] and result.dropped_lines == 0
     out, _ = capfd.readouterr()
     assert "[rank 0] after" in out and "[rank 1] after" in out
+
+
+def _finds_shadow_probe() -> dict[str, object]:
+    import importlib.util
+    import os
+
+    return {"found": importlib.util.find_spec("shadow_probe") is not None, "cwd": os.getcwd()}
+
+
+def test_ranks_do_not_import_from_their_working_directory(tmp_path, monkeypatch):
+    """A module lying in the directory the ranks start in is not importable unless the driver
+    could import it too (its sys.path is what the ranks get): never the implicit '' entry."""
+    import importlib.util
+
+    (tmp_path / "shadow_probe.py").write_text("raise SystemExit('shadowed')\n")
+    monkeypatch.chdir(tmp_path)
+    assert importlib.util.find_spec("shadow_probe") is None  # the driver cannot see it
+    for attempt in range(2):  # cold start or fresh zygote, then a warm fork
+        values = Distributor(2, use_gpu=False).run_all(_finds_shadow_probe).values
+        assert [v["cwd"] for v in values] == [str(tmp_path)] * 2, attempt
+        assert [v["found"] for v in values] == [False, False], attempt
