@@ -38,6 +38,7 @@ class LocalBackend:
 
     def __init__(self, session: Any | None = None) -> None:
         self.session = session if session is not None else spark_driver.active_session()
+        self._python_path = local_python_path()  # read once per launch: it walks sys.path
 
     def place(self, config: LaunchConfig) -> Placement:
         if config.mode is Mode.DEEPSPEED and importlib.util.find_spec("deepspeed") is None:
@@ -68,10 +69,10 @@ class LocalBackend:
         return ()
 
     def rank_env(self, config: LaunchConfig) -> dict[str, str]:
-        return local_python_path()
+        return dict(self._python_path)
 
     def visible_code_dirs(self) -> Sequence[str]:
-        return local_python_path().get("PYTHONPATH", "").split(os.pathsep)
+        return self._python_path.get("PYTHONPATH", "").split(os.pathsep)
 
     def channel_port(self, server_port: int) -> int:
         return server_port

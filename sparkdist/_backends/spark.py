@@ -44,14 +44,12 @@ class SparkBackend:
 
     def __init__(
         self,
-        session: Any | None,
+        session: Any,
         *,
         ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
         dataframe: Any | None = None,
     ) -> None:
-        if session is None and dataframe is not None:
-            session = dataframe.sparkSession
-        self.session = session if session is not None else spark_driver.get_or_create_session()
+        self.session = session  # chosen by ``choose.select_backend``
         self.dataframe = dataframe
         self._ignore_ssl_key = ignore_ssl_key
         self.driver_host = ""
