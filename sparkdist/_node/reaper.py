@@ -60,11 +60,18 @@ def process_table() -> dict[int, _Proc]:
 
 
 def _read_stat(pid: int) -> _Proc | None:
+    # Raw descriptors, not open(): a scan reads every process's stat, and a buffered file
+    # object costs several times the read itself (a scan sits on every rank's exit).
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
     except OSError:
         return None  # gone between listing and reading
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
     # The command name may hold spaces and parentheses: the fields start after the last ")".
     fields = data[data.rfind(b")") + 2 :].split()
     try:
@@ -82,10 +89,18 @@ def _read_stat(pid: int) -> _Proc | None:
 def _has_tag(pid: int, tag: Mapping[str, str]) -> bool:
     """Whether the process's environment holds every ``name=value`` of ``tag``."""
     try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            entries = set(f.read().split(b"\0"))
+        fd = os.open(f"/proc/{pid}/environ", os.O_RDONLY)
     except OSError:
         return False  # gone, or another user's: never ours
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    entries = set(b"".join(chunks).split(b"\0"))
     return all(f"{k}={v}".encode() in entries for k, v in tag.items())
 
 
@@ -95,6 +110,11 @@ class _Targets:
     def __init__(self, roots: Mapping[int, int | None], tag: Mapping[str, str] | None) -> None:
         self.roots = dict(roots)
         self.tag = dict(tag) if tag else None
+        # A process that carries the tag was started by a root or its descendants, so it
+        # cannot be older than the oldest root: environments of older processes are not read
+        # (reading them is most of a scan's cost). Unknown start times disable the shortcut.
+        starts = [started for started in self.roots.values() if started is not None]
+        self.oldest = min(starts) if starts and len(starts) == len(self.roots) else None
         self.known: dict[int, int] = {}  # pid -> start time
         self.groups: set[int] = set()
         # Never this process, its group or its ancestors (local mode runs the agent in the
@@ -122,6 +142,8 @@ class _Targets:
             if proc.pgid in self.groups and proc.pid not in self.known:
                 self._add(proc)
             elif with_tags and self.tag and proc.pid not in self.known and proc.pid > 1:
+                if self.oldest is not None and proc.started < self.oldest:
+                    continue
                 if proc.pid not in self.spared and _has_tag(proc.pid, self.tag):
                     self._add(proc)
         pending = [pid for pid in self.known if self._same(table.get(pid), pid)]

@@ -120,3 +120,28 @@ def test_a_command_name_with_parentheses_and_spaces_is_read(tmp_path, killed_at_
         time.sleep(0.01)  # until the exec happened
     entry = process_table()[proc.pid]
     assert entry.ppid == os.getpid() and entry.pgid == os.getpgrp() and not entry.zombie
+
+
+def test_a_tagged_process_older_than_every_root_is_not_theirs(killed_at_end):
+    # Whatever a root started is younger than the root; environments of older processes are
+    # not even read (most of a scan's cost), so an older process with the tag is spared.
+    tag = {"REAPER_TEST_TAG": uuid.uuid4().hex}
+    env = {**os.environ, **tag}
+    older = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+    killed_at_end.append(older.pid)
+    older_start = start_time(older.pid)
+    assert older_start is not None
+    deadline = time.monotonic() + 10
+    while True:  # start times count clock ticks: the root must start on a later one
+        root = subprocess.Popen(["sleep", "300"], env=env, start_new_session=True)
+        killed_at_end.append(root.pid)
+        root_start = start_time(root.pid)
+        assert root_start is not None
+        if root_start > older_start:
+            break
+        root.kill()
+        root.wait()
+        assert time.monotonic() < deadline
+    assert end_processes({root.pid: root_start}, tag=tag, grace_s=0.3) == []
+    assert root.wait(timeout=5) == -signal.SIGTERM
+    assert older.poll() is None
