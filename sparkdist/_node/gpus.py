@@ -1,9 +1,13 @@
 """GPUs the driver can see, found without importing torch (which costs a second per import).
 
 ``nvidia-smi`` lists the devices; ``CUDA_VISIBLE_DEVICES`` narrows them the way CUDA would.
-No nvidia-smi means no NVIDIA GPU here.
+No nvidia-smi means no NVIDIA GPU here. The listing is read once per process (per nvidia-smi
+found on ``PATH``) and kept: running nvidia-smi costs tens of milliseconds, and a launch asks
+for the GPUs on every run. The mask is applied on every call, so a changed
+``CUDA_VISIBLE_DEVICES`` is always seen.
 
-Non-goals: GPUs of executors (Spark assigns those to each task).
+Non-goals: GPUs of executors (Spark assigns those to each task); GPUs plugged in while a
+process runs (``forget_listing`` reads them again).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,11 +29,41 @@ class Gpu:
     name: str
 
 
+#: nvidia-smi's path -> its listing, {index: product name}, in CUDA order.
+_listings: dict[str, dict[str, str]] = {}
+_listings_lock = threading.Lock()
+
+
 def visible_gpus() -> list[Gpu]:
     """The NVIDIA GPUs this process may use, in CUDA order."""
+    devices = _listing()
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return [Gpu(index, name) for index, name in devices.items()]
+    return [Gpu(token, devices[token]) for token in _tokens(mask) if token in devices]
+
+
+def forget_listing() -> None:
+    """Drop the kept nvidia-smi listing: the next call runs nvidia-smi again."""
+    with _listings_lock:
+        _listings.clear()
+
+
+def _listing() -> dict[str, str]:
+    """Every NVIDIA device (unmasked): {index: name}; nvidia-smi runs once per process."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
-        return []
+        return {}
+    with _listings_lock:  # held while nvidia-smi runs: concurrent launches run it once
+        devices = _listings.get(smi)
+        if devices is None:
+            devices = _run_nvidia_smi(smi)
+            if devices is not None:  # a failure is not kept: the next launch tries again
+                _listings[smi] = devices
+    return dict(devices or {})
+
+
+def _run_nvidia_smi(smi: str) -> dict[str, str] | None:
     try:
         listing = subprocess.run(
             [smi, "--query-gpu=index,name", "--format=csv,noheader"],
@@ -38,16 +73,13 @@ def visible_gpus() -> list[Gpu]:
             check=True,
         ).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
+        return None
     devices = {}
     for line in listing.splitlines():
         index, _, name = line.partition(",")
         if index.strip().isdigit():
             devices[index.strip()] = name.strip()
-    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if mask is None:
-        return [Gpu(index, name) for index, name in devices.items()]
-    return [Gpu(token, devices[token]) for token in _tokens(mask) if token in devices]
+    return devices
 
 
 def _tokens(mask: str) -> list[str]:
@@ -88,14 +120,5 @@ def gpu_type_mismatch(requested: str, gpus: Sequence[Gpu], where: str) -> str | 
 
 def gpus_at(addresses: Sequence[str]) -> list[Gpu]:
     """The visible GPUs whose CUDA_VISIBLE_DEVICES tokens are ``addresses`` (unmasked view)."""
-    by_address = {gpu.address: gpu for gpu in _all_gpus()}
-    return [by_address[a] for a in addresses if a in by_address]
-
-
-def _all_gpus() -> list[Gpu]:
-    saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    try:
-        return visible_gpus()
-    finally:
-        if saved is not None:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+    devices = _listing()
+    return [Gpu(a, devices[a]) for a in addresses if a in devices]
