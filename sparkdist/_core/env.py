@@ -22,6 +22,9 @@ RUN_ID_VAR = "SPARKDIST_RUN_ID"
 USE_GPU_VAR = "SPARKDIST_USE_GPU"
 MODE_VAR = "SPARKDIST_MODE"
 HOST_VAR = "SPARKDIST_HOST"
+#: A cold-started rank's parent (its agent's process): the rank asks the kernel to end it when
+#: that parent goes (``_node.parent_death``).
+PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
 CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"

@@ -268,9 +268,11 @@ class Agent:
                     self._abort(f"rank {worker.seat.rank} failed")
             elif kind == "abort":
                 self._abort(str(payload))
-            elif kind == "driver_gone" and self.master_port is None and not self.link.detached:
-                # Before the rendezvous the run cannot go on without the driver.
-                self._abort("the driver's control channel closed before the rendezvous")
+            elif kind == "driver_gone" and not self.link.detached:
+                # The driver closes the channel only once it is done with this attempt: if the
+                # ranks still run, the driver died (or gave up on them). Nobody would collect
+                # what they compute, and they hold GPUs: end them now, whatever stage they are.
+                self._abort("the driver's control channel closed: the driver is gone")
 
     def _until_next_hang_check(self) -> float | None:
         if self.aborting:

@@ -1,245 +1,189 @@
-"""Starting a rank's process: forked from a warm zygote (``_zygote``) when one is available,
+"""Starting a rank's process: forked from a warm zygote (``zygote``) when one is available,
 spawned cold otherwise. Both give the agent the same ``RankProcess`` interface.
 
-One zygote per process that runs agents (the driver in local mode, each executor's Python worker
-in Spark mode), started on first use and kept for later runs; it is replaced when the
-interpreter or the environment it was started with changes, and ends with its owner. Set
+A zygote is a process that imported torch once; it is keyed by what shapes a rank's imports
+(the interpreter and the import-time variables of the rank's environment: ``PYTHONPATH``,
+``LD_PRELOAD``...), so concurrent runs that differ there get zygotes of their own. Every rank
+forked from a zygote holds a lease on it: a zygote is only ever closed with no lease (never under
+a run in flight), at most ``MAX_ZYGOTES`` are kept (the least recently used idle one makes room;
+when all are busy a run starts its ranks cold), and they end with their owner (each watches its
+stdin). A zygote that fails to answer a spawn request is retired (closed when its last rank
+ends) and only the rank that asked starts cold: a failed fork never touches another run. Set
 ``SPARKDIST_WORKER_POOL=0`` to always spawn cold.
 
-Non-goals: what a rank does once started (``_worker``).
+Non-goals: what a rank does once started (``worker``); the zygote's side (``zygote``).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import select
-import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
+import time
 from collections.abc import Mapping
-from typing import IO
 
-from sparkdist._core.env import WORKER_POOL_VAR, ZYGOTE_VAR
+from sparkdist._core.env import WORKER_POOL_VAR
+from sparkdist._core.files import sweep_dead_owners
+from sparkdist._node.rank_process import ColdProcess, RankProcess
+from sparkdist._node.zygote_client import (
+    FORK_ANSWER_TIMEOUT_S as FORK_ANSWER_TIMEOUT_S,
+)
+from sparkdist._node.zygote_client import (
+    IMPORT_VARS,
+    POOL_DIR_KIND,
+    ZYGOTE_START_TIMEOUT_S,
+    Zygote,
+    ZygoteKey,
+)
 
 logger = logging.getLogger("sparkdist")
 
 POOL_VAR = WORKER_POOL_VAR
-#: How long a zygote may take to import torch and start listening.
-ZYGOTE_START_TIMEOUT_S = 120.0
-#: Environment variables whose change makes a zygote stale (they shape imports).
-_ENV_KEYS = (
-    "PYTHONPATH",
-    "PYTHONHOME",
-    "LD_LIBRARY_PATH",
-    "LD_PRELOAD",
-    "VIRTUAL_ENV",
-    "OPENBLAS_CORETYPE",
-    "OPENBLAS_L2_SIZE",
-)
+#: Zygotes kept at once (each holds an imported torch: a few hundred MB, shared with its ranks).
+MAX_ZYGOTES = 3
 
 
-def python_command(module: str, *args: str) -> list[str]:
-    """``python -c`` running ``module.main()``, minus the implicit working-directory entry that
-    ``-c`` puts first on ``sys.path``: a ``torch.py`` or ``cloudpickle.py`` lying in the
-    directory a rank starts in must not shadow the real package. Ranks import exactly what the
-    driver would: its ``sys.path``, passed explicitly in ``PYTHONPATH`` (``_backends.local``).
-    """
-    code = (
-        f"import sys; sys.path[:] = [p for p in sys.path if p]; from {module} import main; main()"
-    )
-    return [sys.executable, "-c", code, *args]
-
-
-_WORKER_COMMAND = python_command("sparkdist._node.worker")
-
-
-class RankProcess:
-    """A started rank: its pid (also its process group), output pipes, and exit status."""
-
-    pid: int
-    stdout: IO[bytes]
-    stderr: IO[bytes]
-    returncode: int | None
-
-    def wait(self) -> int:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def poll(self) -> int | None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-
-class _ColdProcess(RankProcess):
-    def __init__(self, env: Mapping[str, str], ctrl_fds: tuple[int, int]) -> None:
-        self._popen = subprocess.Popen(
-            _WORKER_COMMAND,
-            env=dict(env),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=ctrl_fds,
-            start_new_session=True,  # its own group: Ctrl-C is ours, killpg reaches children
-        )
-        assert self._popen.stdout is not None and self._popen.stderr is not None
-        self.pid = self._popen.pid
-        self.stdout, self.stderr = self._popen.stdout, self._popen.stderr
-        self.returncode = None
-
-    def wait(self) -> int:
-        self.returncode = self._popen.wait()
-        return self.returncode
-
-    def poll(self) -> int | None:
-        self.returncode = self._popen.poll()
-        return self.returncode
-
-
-class _ForkedProcess(RankProcess):
-    """A rank forked by the zygote; its exit status arrives on the request's connection."""
-
-    def __init__(self, conn: socket.socket, stdout: IO[bytes], stderr: IO[bytes]) -> None:
-        self._conn = conn
-        self._lines = conn.makefile("rb")
-        self.pid = int(json.loads(self._lines.readline())["pid"])
-        self.stdout, self.stderr = stdout, stderr
-        self.returncode = None
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-
-    def wait(self) -> int:
-        with self._lock:
-            if self.returncode is None:
-                line = self._lines.readline()
-                # No answer means the zygote died; the rank (if alive) is killed with its group.
-                self.returncode = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
-                if not line:
-                    _kill_group(self.pid)
-                self._lines.close()
-                self._conn.close()
-                self._done.set()
-        return self.returncode
-
-    def poll(self) -> int | None:
-        return self.returncode
-
-
-def start_rank(env: Mapping[str, str], ctrl_fds: tuple[int, int]) -> RankProcess:
+def start_rank(
+    env: Mapping[str, str], ctrl_fds: tuple[int, int], shipped_code: str | None = None
+) -> RankProcess:
     """Start one rank with ``env``; ``ctrl_fds`` are its command-read and notes-write ends,
-    whose numbers ``env`` already names (they are renumbered when the rank is forked)."""
-    zygote = _shared_zygote()
+    whose numbers ``env`` already names (they are renumbered when the rank is forked).
+
+    ``shipped_code`` is the run's unpacked code directory at the front of ``PYTHONPATH``: the
+    rank adds it to ``sys.path`` itself, so it does not make a zygote of its own.
+    """
+    zygote = _lease(zygote_key(env, shipped_code), env)
     if zygote is not None:
         try:
             return zygote.fork(env, ctrl_fds)
         except OSError as exc:
-            logger.warning("sparkdist: warm worker pool failed (%s); starting ranks cold", exc)
-            _drop_zygote(zygote)
-    return _ColdProcess(env, ctrl_fds)
+            logger.warning("sparkdist: the warm worker pool failed (%s); starting a rank cold", exc)
+            _retire(zygote, str(exc))
+            _release(zygote)
+    return ColdProcess(env, ctrl_fds)
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def zygote_key(env: Mapping[str, str], shipped_code: str | None = None) -> ZygoteKey:
+    """What makes zygotes differ: the interpreter and ``env``'s ``IMPORT_VARS``."""
+    values = {name: env.get(name, "") for name in IMPORT_VARS}
+    if shipped_code:
+        entries = values["PYTHONPATH"].split(os.pathsep)
+        values["PYTHONPATH"] = os.pathsep.join(e for e in entries if e != shipped_code)
+    return (sys.executable, *(f"{name}={value}" for name, value in values.items()))
 
 
-class _Zygote:
-    def __init__(self, key: tuple[str, ...]) -> None:
-        self.key = key
-        # Not "sparkdist-*": that prefix marks one run's directory, removed with the run.
-        self.directory = tempfile.mkdtemp(prefix="sparkdist_pool-")
-        self.socket_path = os.path.join(self.directory, "zygote.sock")
-        env = dict(os.environ)
-        env[ZYGOTE_VAR] = "1"
-        self.process = subprocess.Popen(
-            python_command("sparkdist._node.zygote", self.socket_path),
-            stdin=subprocess.PIPE,  # its end of file tells the zygote we are gone
-            stdout=subprocess.PIPE,
-            env=env,
-            start_new_session=True,
-        )
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], ZYGOTE_START_TIMEOUT_S)
-        if not ready or self.process.stdout.readline().strip() != b"ready":
-            self.close()
-            raise OSError("the worker pool's zygote did not start")
+# -- the pool: zygotes by key, leased per rank ------------------------------------------------
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def fork(self, env: Mapping[str, str], ctrl_fds: tuple[int, int]) -> RankProcess:
-        out_read, out_write = os.pipe()
-        err_read, err_write = os.pipe()
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(self.socket_path)
-            body = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode()
-            socket.send_fds(conn, [len(body).to_bytes(4, "big")], [out_write, err_write, *ctrl_fds])
-            conn.sendall(body)
-            process = _ForkedProcess(conn, os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb"))
-        except (OSError, ValueError) as exc:
-            conn.close()
-            os.close(out_read)
-            os.close(err_read)
-            raise OSError(f"spawn request failed: {exc}") from exc
-        finally:
-            os.close(out_write)
-            os.close(err_write)
-        return process
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        for stream in (self.process.stdin, self.process.stdout):
-            if stream is not None:
-                stream.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+_zygotes: dict[ZygoteKey, Zygote] = {}
+_starting: dict[ZygoteKey, threading.Event] = {}
+_lock = threading.Lock()
+_swept = False
 
 
-_zygote: _Zygote | None = None
-_zygote_lock = threading.Lock()
+def _pool_enabled() -> bool:
+    return os.environ.get(POOL_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _shared_zygote() -> _Zygote | None:
-    global _zygote
-    if os.environ.get(POOL_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+def _lease(key: ZygoteKey, import_env: Mapping[str, str]) -> Zygote | None:
+    """A live zygote for ``key`` with one more lease, started if need be; None: start cold."""
+    global _swept
+    if not _pool_enabled():
         return None
-    key = (sys.executable, *(f"{k}={os.environ.get(k, '')}" for k in _ENV_KEYS))
-    with _zygote_lock:
-        if _zygote is not None and (_zygote.key != key or not _zygote.alive()):
-            _zygote.close()
-            _zygote = None
-        if _zygote is None:
-            try:
-                _zygote = _Zygote(key)
-            except OSError as exc:
-                logger.warning("sparkdist: no warm worker pool (%s); starting ranks cold", exc)
-                return None
-        return _zygote
+    while True:
+        with _lock:
+            zygote = _zygotes.get(key)
+            if zygote is not None and not zygote.alive():
+                _forget(zygote)
+                zygote = None
+            if zygote is not None:
+                zygote.leases += 1
+                zygote.last_used = time.monotonic()
+                return zygote
+            starting = _starting.get(key)
+            if starting is None:
+                if not _make_room():
+                    return None  # every zygote serves a run in flight: this run starts cold
+                starting = _starting[key] = threading.Event()
+                sweep, _swept = not _swept, True
+                break
+        # Another thread is starting this key's zygote: wait for it, then look again.
+        if not starting.wait(ZYGOTE_START_TIMEOUT_S):
+            return None
+    # This thread starts it, outside the lock: other keys' runs go on meanwhile.
+    try:
+        if sweep:
+            sweep_dead_owners(POOL_DIR_KIND)  # zygote directories of killed drivers
+        zygote = Zygote(key, import_env, on_rank_end=_release, on_stuck=_retire)
+    except OSError as exc:
+        logger.warning("sparkdist: no warm worker pool (%s); starting ranks cold", exc)
+        zygote = None
+    with _lock:
+        del _starting[key]
+        starting.set()
+        if zygote is None:
+            return None
+        zygote.leases = 1
+        _zygotes[key] = zygote
+    return zygote
 
 
-def _drop_zygote(zygote: _Zygote) -> None:
-    global _zygote
-    with _zygote_lock:
+def _make_room() -> bool:
+    """Close the least recently used idle zygote if the pool is full (under ``_lock``).
+
+    Returns:
+        Whether a new zygote may start.
+    """
+    if len(_zygotes) + len(_starting) < MAX_ZYGOTES:
+        return True
+    idle = [z for z in _zygotes.values() if z.leases == 0]
+    if not idle:
+        return False
+    _forget(min(idle, key=lambda z: z.last_used))
+    return True
+
+
+def _forget(zygote: Zygote) -> None:
+    """Drop ``zygote`` from the pool (under ``_lock``); closed now if idle, else at its last
+    lease's end."""
+    if _zygotes.get(zygote.key) is zygote:
+        del _zygotes[zygote.key]
+    zygote.retired = True
+    if zygote.leases == 0:
         zygote.close()
-        if _zygote is zygote:
-            _zygote = None
+
+
+def _retire(zygote: Zygote, why: str) -> None:
+    """Stop forking from ``zygote`` (it failed a request); it ends when its ranks have."""
+    with _lock:
+        if not zygote.retired:
+            logger.warning("sparkdist: retiring a warm-pool zygote: %s", why)
+            _forget(zygote)
+
+
+def _release(zygote: Zygote) -> None:
+    """One rank of ``zygote`` ended (or was never forked)."""
+    with _lock:
+        zygote.leases -= 1
+        if zygote.retired and zygote.leases == 0:
+            zygote.close()
+
+
+def zygote_count() -> int:
+    """How many zygotes this process keeps now (for tests and the soak)."""
+    with _lock:
+        return len(_zygotes)
 
 
 def shutdown() -> None:
     """Stop this process's warm pool (it also ends on its own when this process exits)."""
-    global _zygote
-    with _zygote_lock:
-        if _zygote is not None:
-            _zygote.close()
-            _zygote = None
+    with _lock:
+        zygotes = list(_zygotes.values())
+        _zygotes.clear()
+    for zygote in zygotes:
+        zygote.retired = True
+        zygote.close()
 
 
 atexit.register(shutdown)

@@ -35,8 +35,9 @@ from sparkdist._core.env import (
 )
 from sparkdist._core.files import write_private_file
 from sparkdist._node.output import LAST_LINES
-from sparkdist._node.partition import partition_path
-from sparkdist._node.pool import RankProcess, start_rank
+from sparkdist._node.partition import partition_path, write_schema
+from sparkdist._node.pool import start_rank
+from sparkdist._node.rank_process import RankProcess
 from sparkdist._node.reaper import end_processes, start_time
 from sparkdist._node.spec import AgentSpec
 from sparkdist._shipping.code import put_code_first
@@ -130,7 +131,7 @@ def spawn_rank(
     if expects_data:
         env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)
     try:
-        proc = start_rank(env, (cmd_read, note_write))
+        proc = start_rank(env, (cmd_read, note_write), shipped_code=code_dir)
     except BaseException:
         for fd in (cmd_write, note_read):
             os.close(fd)

@@ -36,11 +36,19 @@ from typing import Any, BinaryIO
 
 from sparkdist._core.env import CTRL_IN_VAR as CTRL_IN_VAR
 from sparkdist._core.env import CTRL_OUT_VAR as CTRL_OUT_VAR
-from sparkdist._core.env import DEEPSPEED_CONFIG_VAR, HOST_VAR, MODE_VAR, RUN_ID_VAR, USE_GPU_VAR
+from sparkdist._core.env import (
+    DEEPSPEED_CONFIG_VAR,
+    HOST_VAR,
+    MODE_VAR,
+    PARENT_PID_VAR,
+    RUN_ID_VAR,
+    USE_GPU_VAR,
+)
 from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
 from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
+from sparkdist._node.parent_death import die_with_parent
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
 
@@ -131,6 +139,9 @@ def main() -> None:
     faulthandler.enable()  # a segfault in a rank prints its Python stack into its output
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     env = os.environ
+    parent = env.pop(PARENT_PID_VAR, None)
+    if parent is not None:  # started cold: end with the agent's thread that started us
+        die_with_parent(int(parent))
     link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
     rank = link.rank = int(env["RANK"])
     result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)

@@ -16,7 +16,9 @@ directory:
 
 Every rank is forked from the pristine zygote, never from a previous rank, so nothing of one run
 (environment, CUDA_VISIBLE_DEVICES, user modules, cwd) leaks into the next. End of file on the
-zygote's stdin means its owner died: it exits (its ranks notice their own agent is gone).
+zygote's stdin means its owner died: its ranks see their control pipes close and end themselves;
+after ``OWNER_GONE_GRACE_S`` the zygote exits, and the kernel kills whatever rank is left (each
+asked for that at fork: ``parent_death``), even one stuck in a C call.
 
 Non-goals: deciding when a pool is used or replaced (``_pool``).
 """
@@ -33,7 +35,10 @@ import signal
 import socket
 import struct
 import sys
+import time
 from typing import Any
+
+from sparkdist._node.parent_death import die_with_parent
 
 _HEADER = struct.Struct(">I")
 #: Descriptors sent with each request, in order.
@@ -41,6 +46,8 @@ FDS_PER_REQUEST = 4
 #: Spares kept parked: at least this many, and as many as ranks ever ran at once (capped).
 MIN_SPARES = 2
 MAX_SPARES = 16
+#: After its owner died, how long the zygote lets its ranks end themselves before it exits.
+OWNER_GONE_GRACE_S = 0.5
 #: The process name of a parked spare (15 characters at most).
 SPARE_NAME = "sparkdist-spare"
 #: A forked rank's process name is this plus its global rank ("sparkdist-r3"): its environment
@@ -107,6 +114,7 @@ class _Server:
                 os.read(self.wake_read, 4096)
             self._reap()
             if stdin in readable and not os.read(stdin, 4096):
+                self._let_ranks_end()
                 return  # the owner is gone
             if self.listener in readable:
                 conn, _ = self.listener.accept()
@@ -116,6 +124,15 @@ class _Server:
                     conn.close()
             self._replenish()  # after answering: spares are made off the critical path
 
+    def _let_ranks_end(self) -> None:
+        """The owner died: its ranks see their control pipes close and end themselves (and
+        what they started); give them a moment before this process's exit ends them outright
+        (each asked the kernel to kill it with the zygote)."""
+        deadline = time.monotonic() + OWNER_GONE_GRACE_S
+        while self.children and time.monotonic() < deadline:
+            time.sleep(0.02)
+            self._reap()
+
     def _hand_out(self, conn: socket.socket) -> None:
         header, fds, _, _ = socket.recv_fds(conn, _HEADER.size, FDS_PER_REQUEST)
         try:
@@ -123,6 +140,10 @@ class _Server:
                 raise ValueError("malformed spawn request")
             (size,) = _HEADER.unpack(header)
             body = _recv_exact(conn, size)
+            if _hung_up(conn):
+                # The requester gave up waiting (this process was stuck) and started the rank
+                # cold: forking it now would run the same rank twice on the same pipes.
+                raise ValueError("the requester hung up")
             spare = self.spares.pop(0) if self.spares else self._fork_spare()
             socket.send_fds(spare.sock, [header], fds)
             spare.sock.sendall(body)
@@ -141,9 +162,13 @@ class _Server:
 
     def _fork_spare(self) -> _Spare:
         parent_end, child_end = socket.socketpair()
+        zygote_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
             try:
+                # Ends with the zygote, whatever it is doing then: the zygote ends with its
+                # owner, so no rank outlives the driver (or executor) that asked for it.
+                die_with_parent(zygote_pid)
                 parent_end.close()
                 self.listener.close()
                 os.close(self.wake_read)
@@ -255,6 +280,16 @@ def _reseed() -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed()
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """Whether the peer of ``conn`` closed it (nothing more to read, end of file)."""
+    if not select.select([conn], [], [], 0)[0]:
+        return False
+    try:
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:

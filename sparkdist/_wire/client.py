@@ -33,6 +33,12 @@ CONNECT_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = CONNECT_TIMEOUT_S
 #: How long ``send`` waits for room in a full control queue before giving the driver up.
 SEND_TIMEOUT_S = 30.0
+#: TCP keepalive on the agent's connection: idle seconds before the first probe, seconds
+#: between probes, unanswered probes before the connection counts as dead.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+#: How long a silently vanished driver host goes unnoticed at most (documented in
+#: docs/restarts.md): the agent then ends its ranks.
+DRIVER_SILENCE_LIMIT_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
 #: How long ``close`` keeps sending what is queued.
 CLOSE_FLUSH_S = 2.0
 #: Control messages queued at most (they are few: hello, store, ready, failed, rows, bye).
@@ -364,6 +370,7 @@ def _handshake(
     sock = socket.create_connection(address, timeout=max(0.001, deadline - time.monotonic()))
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _keep_alive(sock)
         buffer = bytearray()
         handshake = frames.ClientHandshake(key)
         _send_before(sock, handshake.hello(), deadline)
@@ -385,6 +392,21 @@ def _handshake(
     except BaseException:
         sock.close()
         raise
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    """Notice a driver whose host vanished (no FIN ever comes) within about
+    ``DRIVER_SILENCE_LIMIT_S``: the agent then ends its ranks (a dead driver *process* closes
+    the connection at once)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    settings = (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    )
+    for option, value in settings:
+        if hasattr(socket, option):  # Linux and macOS (12+) name them; elsewhere OS defaults
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _send_before(sock: socket.socket, data: bytes, deadline: float) -> None:

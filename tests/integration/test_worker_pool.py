@@ -4,12 +4,14 @@ run leaking into the next."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import time
 
 import psutil
 import pytest
 
-from sparkdist import Distributor
+from sparkdist import Distributor, RendezvousError
 from sparkdist._node import pool as _pool
 
 
@@ -59,12 +61,29 @@ def test_nothing_leaks_from_one_pooled_run_into_the_next(tmp_path):
     assert {v["name"] for v in second.values} == {"sparkdist-r0", "sparkdist-r1"}
 
 
-def test_a_changed_environment_gets_a_new_zygote(monkeypatch, tmp_path):
-    before = Distributor(1, use_gpu=False).run(rank_view)["ppid"]
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    after = Distributor(1, use_gpu=False).run(rank_view)["ppid"]
-    assert before != after
-    assert not psutil.pid_exists(before) or psutil.Process(before).status() == "zombie"
+def _zygote_of(tmp_path, name):
+    """The zygote a run whose import-time environment is ``name`` forks from."""
+    library_dir = tmp_path / name
+    library_dir.mkdir(exist_ok=True)
+    env = {"LD_LIBRARY_PATH": str(library_dir)}  # shapes imports: a zygote of its own
+    return Distributor(1, use_gpu=False, env=env).run(rank_view)["ppid"]
+
+
+def test_zygotes_are_kept_per_import_environment_and_bounded(tmp_path):
+    """A run with another import-time environment gets a zygote of its own and leaves the
+    others alone; at most MAX_ZYGOTES are kept, the least recently used idle one makes room."""
+    assert _pool.MAX_ZYGOTES == 3
+    first = _zygote_of(tmp_path, "a")
+    second = _zygote_of(tmp_path, "b")
+    assert second != first and psutil.pid_exists(first)  # both kept
+    assert _zygote_of(tmp_path, "a") == first  # found again, not restarted
+    third = _zygote_of(tmp_path, "c")
+    assert _pool.zygote_count() == 3
+    fourth = _zygote_of(tmp_path, "d")  # the pool is full: "b" was used least recently
+    assert len({first, second, third, fourth}) == 4
+    assert _pool.zygote_count() == 3
+    assert not psutil.pid_exists(second) or psutil.Process(second).status() == "zombie"
+    assert all(psutil.pid_exists(pid) for pid in (first, third, fourth))
 
 
 def test_pool_can_be_turned_off(monkeypatch):
@@ -78,3 +97,41 @@ def test_pool_can_be_turned_off(monkeypatch):
 def _fresh_pool_afterwards():
     yield
     _pool.shutdown()
+
+
+def _stopped_zygote():
+    """Warm the pool, then freeze its zygote (SIGSTOP): it accepts requests, answers none."""
+    Distributor(1, use_gpu=False).run(int)
+    (zygote,) = list(_pool._zygotes.values())
+    assert zygote.process is not None
+    os.kill(zygote.process.pid, signal.SIGSTOP)
+    return zygote.process.pid
+
+
+def test_a_stuck_zygote_fails_only_the_start_it_delays(tmp_path):
+    """A frozen zygote: the rank that asked it starts cold after FORK_ANSWER_TIMEOUT_S, the
+    zygote is retired (and ended: no rank of it is left), and the run succeeds."""
+    frozen = _stopped_zygote()
+    started = time.monotonic()
+    values = Distributor(2, use_gpu=False, start_timeout_s=120).run_all(rank_view).values
+    took = time.monotonic() - started
+    assert [v["ppid"] != frozen for v in values] == [True, True]
+    assert not psutil.pid_exists(frozen) or psutil.Process(frozen).status() == "zombie"
+    assert took < _pool.FORK_ANSWER_TIMEOUT_S + 60
+    # The pool recovers: the next run forks from a fresh zygote.
+    again = Distributor(1, use_gpu=False).run(rank_view)
+    assert again["name"] == "sparkdist-r0" and again["ppid"] != frozen
+
+
+def test_a_stuck_zygote_and_a_short_start_timeout_name_the_stage(tmp_path):
+    """start_timeout_s counts from submission: a start stuck in the warm pool ends the run in
+    time, with an error naming the stage, and leaves no process (checked after every test)."""
+    _stopped_zygote()
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as caught:
+        Distributor(2, use_gpu=False, start_timeout_s=2).run(rank_view)
+    took = time.monotonic() - started
+    print(f"stuck zygote, start_timeout_s=2: raised after {took:.2f} s: {caught.value}")
+    assert "start_timeout_s=2" in str(caught.value)
+    assert "warm pool" in str(caught.value)
+    assert took < 2 + _pool.FORK_ANSWER_TIMEOUT_S + 10
