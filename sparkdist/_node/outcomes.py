@@ -22,7 +22,7 @@ from sparkdist._node.detached import DetachedFailure
 from sparkdist._node.output import drain
 from sparkdist._node.ranks import RankHandle
 from sparkdist._wire import protocol
-from sparkdist._wire.payload import Outcome
+from sparkdist._wire.payload import Outcome, ValueFile
 
 
 def outcome_of(
@@ -51,10 +51,10 @@ def outcome_of(
     # just before we reached it failed on its own.
     killed_by_us = rank.was_stopped(code) and rank.hung_for_s is None
     if code == 0 and os.path.exists(value_file):
-        with open(value_file, "rb") as f:
-            return Outcome(
-                seat.rank, host, code, wall, value_bytes=f.read(), ended_at=rank.ended_at
-            )
+        # Kept in its file (held open): the driver unpickles it from there, never holding
+        # the value's bytes and the value at once.
+        value = ValueFile(value_file)
+        return Outcome(seat.rank, host, code, wall, value_bytes=value, ended_at=rank.ended_at)
     failure = _failure_of(rank, failure_file, code, host, heartbeat_timeout_s, abort_reason)
     return Outcome(
         seat.rank,

@@ -73,7 +73,10 @@ class Outcome:
         host: host it ran on.
         exit_code: process exit code (negative: killed by that signal).
         wall_time_s: seconds from spawn to exit.
-        value_bytes: the return value pickled by the worker (None on failure or abort).
+        value_bytes: the return value pickled by the worker (None on failure or abort): the
+            bytes, or (on the node, and in local mode all the way to the driver) the
+            ``ValueFile`` it was written to, which pickles as those bytes. Unpickle it with
+            ``loads``.
         failure: why it failed, when it failed on its own.
         aborted: True when sparkdist killed it because the run was ending.
         ended_at: wall-clock time (time.time()) its agent saw it exit; orders failures when
@@ -86,11 +89,73 @@ class Outcome:
     host: str
     exit_code: int | None
     wall_time_s: float
-    value_bytes: bytes | None = None
+    value_bytes: bytes | ValueFile | None = None
     failure: RankFailure | None = None
     aborted: bool = False
     ended_at: float = 0.0
     output: tuple[tuple[str, str], ...] = ()
+
+
+class ValueFile:
+    """A rank's pickled return value, still in the file the rank wrote.
+
+    ``loads`` unpickles it straight from the file: a large value is read once, into the
+    object it becomes, never held as bytes beside it (the driver's peak stays about one copy
+    of the value, not two). The file is held open, so it can still be read once its run
+    directory is gone. Pickling a ValueFile (an Outcome on its way out of a Spark task)
+    pickles the bytes, so the other side gets plain ``bytes``.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file: io.BufferedReader | None = open(path, "rb")  # held open: see above
+        self._lock = threading.Lock()
+
+    def load(self) -> Any:
+        """The value, unpickled from the file; the file is closed afterwards."""
+        with self._lock:
+            file = self._opened()
+            try:
+                file.seek(0)
+                return cloudpickle.load(file)
+            finally:
+                self._close()
+
+    def read_bytes(self) -> bytes:
+        """The pickled value, as bytes (the file stays open)."""
+        with self._lock:
+            file = self._opened()
+            file.seek(0)
+            return file.read()
+
+    def close(self) -> None:
+        """Let go of the file (also when the value is never read: a failed run)."""
+        with self._lock:
+            self._close()
+
+    def _opened(self) -> io.BufferedReader:
+        if self._file is None:
+            raise ValueError(f"the value file {self.path} was already read and closed")
+        return self._file
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return bytes, (self.read_bytes(),)
+
+    def __del__(self) -> None:
+        file = getattr(self, "_file", None)
+        if file is not None:
+            file.close()
+
+    def __repr__(self) -> str:
+        return f"ValueFile({self.path!r})"
 
 
 # Pickling functions by value is process-global state in cloudpickle; runs started from two
@@ -189,8 +254,11 @@ def _torch_classes_reduce(_: Any) -> tuple[Any, tuple[str]]:
     return importlib.import_module, ("torch.classes",)
 
 
-def loads(data: bytes) -> Any:
-    """Unpickle bytes produced by this package (never bytes read from a socket)."""
+def loads(data: bytes | ValueFile) -> Any:
+    """Unpickle bytes (or a ``ValueFile``) produced by this package (never bytes read from a
+    socket)."""
+    if isinstance(data, ValueFile):
+        return data.load()
     return cloudpickle.loads(data)
 
 

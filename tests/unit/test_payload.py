@@ -4,6 +4,7 @@ unpicklable jobs named precisely."""
 from __future__ import annotations
 
 import pickle
+import shutil
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ import pytest
 import sparkdist
 from sparkdist import ConfigError, RankFailure, WorkerFailedError
 from sparkdist._core.errors import ClusterError, RendezvousError, RunTimeoutError
-from sparkdist._wire.payload import Job, Outcome, TargetKind, dumps_job
+from sparkdist._wire.payload import Job, Outcome, TargetKind, ValueFile, dumps_job, loads
 
 
 def _round_trip_in_fresh_interpreter(data: bytes) -> str:
@@ -48,6 +49,37 @@ def test_outcome_and_failure_round_trip():
     failure = RankFailure(1, "h", 3, "ValueError", "boom", "tb", ("a", "b"), None)
     outcome = Outcome(1, "h", 3, 0.5, failure=failure, ended_at=2.0)
     assert repr(outcome) == _round_trip_in_fresh_interpreter(cloudpickle.dumps(outcome))
+
+
+def _value_file(tmp_path, value):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / "rank-0.value"
+    path.write_bytes(cloudpickle.dumps(value))
+    return run_dir, ValueFile(str(path))
+
+
+def test_a_value_is_unpickled_from_its_file_even_once_the_run_directory_is_gone(tmp_path):
+    run_dir, value_file = _value_file(tmp_path, {"loss": 0.5, "blob": b"x" * 100_000})
+    shutil.rmtree(run_dir)  # what the agent does when it ends, before the driver unpickles
+    assert loads(value_file) == {"loss": 0.5, "blob": b"x" * 100_000}
+    with pytest.raises(ValueError, match="already read and closed"):
+        loads(value_file)  # read once: the file is let go as soon as the value exists
+
+
+def test_an_outcome_holding_a_value_file_crosses_processes_as_bytes(tmp_path):
+    # A Spark task's outcome: pickled on the executor, plain bytes on the driver.
+    run_dir, value_file = _value_file(tmp_path, [1, 2, 3])
+    outcome = Outcome(0, "h", 0, 0.5, value_bytes=value_file, ended_at=2.0)
+    shutil.rmtree(run_dir)
+    code = (
+        "import sys, cloudpickle; o = cloudpickle.loads(sys.stdin.buffer.read()); "
+        "print(type(o.value_bytes).__name__, cloudpickle.loads(o.value_bytes))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], input=cloudpickle.dumps(outcome),
+                         capture_output=True, check=True, timeout=60).stdout
+    assert out.decode().strip() == "bytes [1, 2, 3]"
+    value_file.close()
 
 
 @pytest.mark.parametrize(
