@@ -1,29 +1,57 @@
 """sparkdist: launch PyTorch distributed training on Apache Spark (or on this machine).
 
 Importing sparkdist imports none of torch, pyspark, deepspeed or mlflow; they load when used.
+The public names load on first use too (``sparkdist.Distributor``, ``from sparkdist import
+distributed``), so ``import sparkdist`` itself costs about a millisecond: a rank, a CLI call
+or a notebook pays only for what it touches.
 """
 
-from importlib import metadata as _metadata
+from __future__ import annotations
 
-from sparkdist import runtime
-from sparkdist._core.config import Mode
-from sparkdist._core.errors import (
-    ClusterError,
-    ConfigError,
-    ConfigTypeError,
-    RankFailure,
-    RendezvousError,
-    RunTimeoutError,
-    SparkdistError,
-    WorkerFailedError,
-)
-from sparkdist._core.gpu_type import GPUType
-from sparkdist._core.result import RunResult
-from sparkdist.decorator import distributed
-from sparkdist.distributor import DeepspeedTorchDistributor, Distributor, TorchDistributor
+import importlib
 
-#: The installed distribution's version: pyproject.toml is its one definition.
-__version__ = _metadata.version("sparkdist")
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
+    from typing import Any
+
+    from sparkdist import runtime as runtime
+    from sparkdist._core.config import Mode as Mode
+    from sparkdist._core.errors import ClusterError as ClusterError
+    from sparkdist._core.errors import ConfigError as ConfigError
+    from sparkdist._core.errors import ConfigTypeError as ConfigTypeError
+    from sparkdist._core.errors import RankFailure as RankFailure
+    from sparkdist._core.errors import RendezvousError as RendezvousError
+    from sparkdist._core.errors import RunTimeoutError as RunTimeoutError
+    from sparkdist._core.errors import SparkdistError as SparkdistError
+    from sparkdist._core.errors import WorkerFailedError as WorkerFailedError
+    from sparkdist._core.gpu_type import GPUType as GPUType
+    from sparkdist._core.result import RunResult as RunResult
+    from sparkdist.decorator import distributed as distributed
+    from sparkdist.distributor import DeepspeedTorchDistributor as DeepspeedTorchDistributor
+    from sparkdist.distributor import Distributor as Distributor
+    from sparkdist.distributor import TorchDistributor as TorchDistributor
+
+    #: The installed distribution's version: pyproject.toml is its one definition.
+    __version__: str
+
+#: Each public name -> the module that defines it, imported on first use.
+_HOMES = {
+    "ClusterError": "sparkdist._core.errors",
+    "ConfigError": "sparkdist._core.errors",
+    "ConfigTypeError": "sparkdist._core.errors",
+    "DeepspeedTorchDistributor": "sparkdist.distributor",
+    "Distributor": "sparkdist.distributor",
+    "GPUType": "sparkdist._core.gpu_type",
+    "Mode": "sparkdist._core.config",
+    "RankFailure": "sparkdist._core.errors",
+    "RendezvousError": "sparkdist._core.errors",
+    "RunResult": "sparkdist._core.result",
+    "RunTimeoutError": "sparkdist._core.errors",
+    "SparkdistError": "sparkdist._core.errors",
+    "TorchDistributor": "sparkdist.distributor",
+    "WorkerFailedError": "sparkdist._core.errors",
+    "distributed": "sparkdist.decorator",
+}
 
 __all__ = [
     "ClusterError",
@@ -44,3 +72,24 @@ __all__ = [
     "distributed",
     "runtime",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name on first use; later uses find it in the module (no call here)."""
+    if name == "__version__":
+        from importlib import metadata
+
+        value: Any = metadata.version("sparkdist")
+    elif name == "runtime":
+        value = importlib.import_module("sparkdist.runtime")
+    elif name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+    else:
+        raise AttributeError(f"module 'sparkdist' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names (loaded or not) and the module's own dunders; no helper imports."""
+    return sorted({*__all__, *(name for name in globals() if name.startswith("__"))})

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import sparkdist
 
 
@@ -15,13 +17,30 @@ def test_all_lists_exactly_the_public_names():
     # Read in a fresh interpreter: under pytest, sparkdist is imported through pytest's
     # assertion rewriter (the package holds a pytest plugin), which adds names of its own, and
     # other tests import submodules (sparkdist.cli, sparkdist.pytest_plugin...) as a side effect.
+    # The names load on first use, so dir() lists them; every one of them must resolve.
     code = ("import json, sparkdist; "
-            "print(json.dumps([name for name in vars(sparkdist) if not name.startswith('_')]))")
+            "names = [name for name in dir(sparkdist) if not name.startswith('_')]; "
+            "print(json.dumps([names, [type(getattr(sparkdist, n)).__name__ for n in "
+            "sparkdist.__all__]]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
-    public = set(json.loads(out))
-    public -= {"annotations", "decorator", "distributor"}  # submodules imported as a side effect
-    assert set(sparkdist.__all__) - {"__version__"} == public
+    public, kinds = json.loads(out)
+    assert set(sparkdist.__all__) - {"__version__"} == set(public)
+    assert len(kinds) == len(sparkdist.__all__)
+    with pytest.raises(AttributeError, match="module 'sparkdist' has no attribute 'Nope'"):
+        sparkdist.Nope  # noqa: B018
+
+
+def test_import_loads_no_submodule_until_a_name_is_used():
+    code = (
+        "import sys, sparkdist; "
+        "before = sorted(m for m in sys.modules if m.startswith('sparkdist')); "
+        "from sparkdist import Distributor, runtime; "
+        "print(before, 'sparkdist.distributor' in sys.modules, runtime.__name__)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "['sparkdist'] True sparkdist.runtime"
 
 
 def test_import_loads_no_heavy_dependency():
