@@ -32,6 +32,9 @@ from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
     LaunchConfig,
+    DEFAULT_STRAGGLER_FRACTION,
+    DEFAULT_STRAGGLER_WINDOW_S,
+    DEFAULT_SYSTEM_METRICS_INTERVAL_S,
     Mode,
     build_config,
 )
@@ -75,6 +78,9 @@ def distributed(
     allow_oversubscribe: bool = False,
     spark: Any | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
+    system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
+    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
+    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
     """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
 
     Every argument is checked here, when the decorator is applied, so a wrong one fails at
@@ -96,7 +102,8 @@ def distributed(
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank (not the ones sparkdist sets).
         deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
-            requirements, job_size_warn_mb, job_size_limit_mb, allow_oversubscribe: as on
+            requirements, job_size_warn_mb, job_size_limit_mb, allow_oversubscribe,
+            system_metrics_interval_s, straggler_fraction, straggler_window_s: as on
             ``Distributor``.
         spark: the SparkSession to use (default: the active one). It is not pickled with the
             function; an unpickled function uses the active session.

@@ -19,6 +19,9 @@ from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
     Mode,
+    DEFAULT_STRAGGLER_FRACTION,
+    DEFAULT_STRAGGLER_WINDOW_S,
+    DEFAULT_SYSTEM_METRICS_INTERVAL_S,
     build_config,
 )
 from sparkdist._core.errors import ConfigError, SparkdistError
@@ -89,6 +92,15 @@ class Distributor:
             bounded by the driver's GPUs whatever this says.
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none). A Spark Connect session works too.
+        system_metrics_interval_s: every node samples its CPU %, host memory, the ranks' memory
+            (RSS of their process trees) and, with NVML, each of its ranks' GPUs (utilisation,
+            memory, power) this often; the samples become MLflow ``system/node_N/...`` metrics
+            and ``RunResult.system_samples``. 0 turns sampling off; without psutil it is off.
+        straggler_fraction: a rank whose steps per second (``runtime.report()``) stay below
+            this fraction of the median rank's for ``straggler_window_s`` is named in a
+            warning line and an MLflow tag, with its node and GPU, once per episode; 0 turns
+            detection off.
+        straggler_window_s: how long, in seconds, a rank must stay behind to be named.
 
     Raises:
         ConfigError: an option is refused, naming it, the value and what is accepted, before
@@ -128,6 +140,9 @@ class Distributor:
         allow_oversubscribe: bool = False,
         spark: Any | None = None,
     ) -> None:
+        system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
+        straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
+        straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
         # Every keyword but ``spark`` is an option of the table (``_core.config.OPTIONS``), under
         # its own name: build_config checks and normalises them all, in one place.
         options = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ from sparkdist._core.checks import (
 from sparkdist._core.env import check_user_env
 from sparkdist._core.errors import ConfigError, ConfigTypeError
 from sparkdist._core.gpu_type import GPUType
+from sparkdist._core.stragglers import (
+    DEFAULT_STRAGGLER_FRACTION as DEFAULT_STRAGGLER_FRACTION,  # re-exported: an option's default
+)
+from sparkdist._core.stragglers import (
+    DEFAULT_STRAGGLER_WINDOW_S as DEFAULT_STRAGGLER_WINDOW_S,
+)
 from sparkdist._core.versions import parse_requirements
 
 #: Seconds a rank may take from spawn to joining the rendezvous before the run is aborted.
@@ -44,6 +51,8 @@ DEFAULT_START_TIMEOUT_S = 300.0
 #: Pickled job sizes past which a launch warns (and ships the job as a file), or refuses.
 DEFAULT_JOB_SIZE_WARN_MB = 100.0
 DEFAULT_JOB_SIZE_LIMIT_MB = 2048.0
+#: Seconds between two system samples (CPU, memory, GPUs) of every node; 0 turns them off.
+DEFAULT_SYSTEM_METRICS_INTERVAL_S = 10.0
 
 
 class Mode(str, enum.Enum):
@@ -102,6 +111,11 @@ class LaunchConfig:
         job_size_limit_mb: a pickled job past this size is refused (``ConfigError``).
         allow_oversubscribe: allow more local CPU ranks than ``CPU_OVERSUBSCRIBE_FACTOR`` per
             core of the driver.
+        system_metrics_interval_s: seconds between two samples of every node's CPU, memory and
+            GPUs (MLflow ``system/...`` metrics, ``RunResult.system_samples``); 0 turns it off.
+        straggler_fraction: a rank whose steps/s stay below this fraction of the median for
+            ``straggler_window_s`` is named a straggler (0 turns detection off).
+        straggler_window_s: how long a rank must stay behind to be named.
     """
 
     num_processes: int = 1
@@ -121,6 +135,9 @@ class LaunchConfig:
     job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB
     job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB
     allow_oversubscribe: bool = False
+    system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S
+    straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION
+    straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S
 
     def __post_init__(self) -> None:
         check_positive_int("num_processes", self.num_processes)
@@ -168,6 +185,9 @@ class LaunchConfig:
                 )
         self._set("requirements", parse_requirements(requirement_list(self.requirements)))
         check_job_sizes(self.job_size_warn_mb, self.job_size_limit_mb)
+        _check_number("system_metrics_interval_s", self.system_metrics_interval_s, "seconds, >= 0")
+        _check_number("straggler_fraction", self.straggler_fraction, "in [0, 1)", below=1.0)
+        check_positive_seconds("straggler_window_s", self.straggler_window_s)
         check_local_cpu_ranks(
             self.num_processes,
             local_mode=self.local_mode,
@@ -197,6 +217,14 @@ class LaunchConfig:
         return settings
 
 
+def _check_number(name: str, value: Any, accepted: str, below: float = math.inf) -> None:
+    """Refuse anything but a finite int or float with 0 <= value < ``below``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(f"{name} must be a number ({accepted}), got {shown(value)}")
+    if not (math.isfinite(value) and 0 <= value < below):
+        raise ConfigError(f"{name} must be a number {accepted}, got {value!r}")
+
+
 # -- the options table ---------------------------------------------------------------------------
 
 
@@ -206,6 +234,7 @@ class CliKind(enum.Enum):
     COUNT = "count"  # --flag N, a whole number >= 0
     POSITIVE_COUNT = "positive count"  # --flag N, a whole number >= 1
     SECONDS = "seconds"  # --flag SECONDS, a positive number
+    NUMBER = "number"  # --flag X, a number >= 0
     TEXT = "text"  # --flag VALUE, taken as it is
     CHOICE = "choice"  # --flag NAME, one of CliSpelling.choices
     ASSIGNMENTS = "assignments"  # --flag KEY=VALUE, repeatable, into a dict
@@ -370,6 +399,21 @@ OPTIONS: tuple[Option, ...] = (
         "allow_oversubscribe",
         f"allow more than {CPU_OVERSUBSCRIBE_FACTOR} local CPU ranks per core of this machine",
         _cli("--allow-oversubscribe", kind=CliKind.FLAG),
+    ),
+    Option(
+        "system_metrics_interval_s",
+        "sample every node's CPU, memory and GPUs this often, for MLflow and the result; 0: off",
+        _cli("--system-metrics-interval", kind=CliKind.NUMBER, metavar="SECONDS"),
+    ),
+    Option(
+        "straggler_fraction",
+        "name a rank whose steps/s stay below this fraction of the median a straggler; 0: off",
+        _cli("--straggler-fraction", kind=CliKind.NUMBER, metavar="FRACTION"),
+    ),
+    Option(
+        "straggler_window_s",
+        "how long a rank must stay below straggler_fraction of the median to be named",
+        _cli("--straggler-window", kind=CliKind.SECONDS, metavar="SECONDS"),
     ),
 )
 

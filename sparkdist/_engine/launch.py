@@ -138,6 +138,7 @@ def prepare(
         requirements=requirements,
         code_zip=code_zip,
         job_file=job_file_name(run_id) if job_as_file else None,
+        system_metrics_interval_s=config.system_metrics_interval_s,
     )
     return PreparedLaunch(run_id, plan, backend, template, job_bytes)
 

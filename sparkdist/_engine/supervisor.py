@@ -29,7 +29,7 @@ from sparkdist._core.errors import (
     WorkerFailedError,
 )
 from sparkdist._core.placement import Placement
-from sparkdist._core.result import RunResult
+from sparkdist._core.result import RankTimeline, RunResult
 from sparkdist._core.run_state import (
     AbortAll,
     AgentsEnded,
@@ -98,10 +98,10 @@ class RunMonitor:
         self.refusals: list[Refusal] = []
         self.failure_codes: dict[int, int] = {}
         self.stage_cancel_due = False
-        # Set by the launch's tracker: where runtime.report() messages go (called on a channel
-        # thread, so it must be cheap), and a context around each rank line printed (a live
-        # progress bar steps aside for it).
-        self.on_report: Callable[[protocol.Report], None] | None = None
+        # Set by the launch's tracker: where runtime.report() messages and system samples go
+        # (called on a channel thread, so it must be cheap), and a context around each rank
+        # line printed (a live progress bar steps aside for it).
+        self.on_report: Callable[[protocol.Report | protocol.Sample], None] | None = None
         self.output_guard: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
         )
@@ -118,7 +118,7 @@ class RunMonitor:
             with self.output_guard():
                 _print_rank_line(message)
             return
-        if isinstance(message, protocol.Report):
+        if isinstance(message, (protocol.Report, protocol.Sample)):
             if self.on_report is not None:
                 self.on_report(message)
             return
@@ -336,6 +336,7 @@ def result_of(
             )
         raise _failure_error(failures, monitor, by_rank)
     ordered = [by_rank[r] for r in range(placement.world_size)]
+    per_task = placement.processes_per_task
     for outcome in ordered:  # output a detached node kept: now, in rank order
         for stream, line in outcome.output:
             _print_rank_line(protocol.Log(outcome.rank, protocol.Stream(stream), line))
@@ -350,6 +351,10 @@ def result_of(
         num_tasks=placement.num_tasks,
         dropped_lines=monitor.dropped,
         mode_settings=config.mode_settings(),
+        timeline=[  # spawn and exit; the tracker adds the steps it saw
+            RankTimeline(o.rank, o.rank // per_task, o.host, o.ended_at - o.wall_time_s, o.ended_at)
+            for o in ordered
+        ],
     )
 
 

@@ -268,9 +268,20 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a number >= 0")
+    return value
+
+
 _READERS = {
     CliKind.COUNT: _non_negative_int,
     CliKind.POSITIVE_COUNT: _positive_int,
     CliKind.SECONDS: _positive_float,
+    CliKind.NUMBER: _non_negative_float,
     CliKind.TEXT: _text,
 }

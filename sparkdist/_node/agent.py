@@ -46,6 +46,7 @@ from sparkdist._node.output import pump_lines, pump_notes
 from sparkdist._node.partition import partition_path, write_partition
 from sparkdist._node.preflight import refusal_of
 from sparkdist._node.ranks import RankHandle, end_ranks, node_extra_env, spawn_rank, wait_for_exit
+from sparkdist._node.sampler import sampling
 from sparkdist._node.spec import AgentSpec
 from sparkdist._node.watchdog import check_heartbeats, next_check_in_s
 from sparkdist._shipping.code import unpack_code
@@ -157,7 +158,8 @@ class Agent:
             self.outbox = outbox
             self.spawned.set()
             self.link.start()
-            self._watch(outbox)
+            with sampling(self.spec, self.workers, outbox.line):  # system metrics, if asked
+                self._watch(outbox)
             outcomes = [self._outcome_of(w) for w in self.workers.values()]
             self.link.say_bye()  # after the last output line: the driver knows it is complete
             if self.link.detached is not None:

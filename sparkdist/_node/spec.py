@@ -43,6 +43,7 @@ class AgentSpec:
             the run directory and put first on the ranks' ``PYTHONPATH``.
         job_file: a file on this node holding the pickled Job, used instead of ``job_bytes``
             (a large job, shipped with ``SparkContext.addFile``; see ``_captures``).
+        system_metrics_interval_s: seconds between two system samples (``sampler``); 0: none.
     """
 
     run_id: str
@@ -66,3 +67,4 @@ class AgentSpec:
     requirements: tuple[Requirement, ...] = ()
     code_zip: bytes | None = None
     job_file: str | None = None
+    system_metrics_interval_s: float = 0.0

@@ -10,13 +10,14 @@ import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
-from sparkdist._wire.protocol import Report
+from sparkdist._wire.protocol import Report, Sample
 
 
 class AttemptHooks(Protocol):
-    """Hold and release the rendezvous, receive reports, guard rank output."""
+    """Hold and release the rendezvous, receive reports and system samples, guard rank
+    output."""
 
-    on_report: Callable[[Report], None] | None
+    on_report: Callable[[Report | Sample], None] | None
     output_guard: Callable[[], contextlib.AbstractContextManager[Any]]
 
     @property

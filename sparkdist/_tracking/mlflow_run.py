@@ -16,8 +16,10 @@ logged and the command that shows it, as the run ends.
 Nothing here may fail a launch: mlflow missing, failing or too slow turns tracking off for the
 run with one line saying so.
 
-Non-goals: artifacts, models, autologging, MLflow system metrics; which rank's reports count
-(``_tracking``).
+Nodes' system samples go with the metrics (named by the tracker), straggler tags as they come,
+and the run's report (a PNG) as an artifact with the outcome.
+
+Non-goals: models, autologging; which rank's reports count (``_tracking``).
 """
 
 from __future__ import annotations
@@ -91,6 +93,8 @@ class MlflowRun:
         self._metrics_failed = False  # said once
         self._closing = False
         self._outcome: tuple[BaseException | None, list[str], int] = (None, [], 0)
+        self._tags: dict[str, str] = {}  # set since the last batch
+        self._artifacts: list[str] = []  # files logged with the outcome
         self._setup_timeout_s = min(SETUP_TIMEOUT_S, config.start_timeout_s / 2)
         self._timer = threading.Timer(self._setup_timeout_s, self._give_up)
         self._timer.daemon = True
@@ -113,17 +117,33 @@ class MlflowRun:
         if env:
             monitor.release_rendezvous(env)
 
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+    def log_metrics(self, step: int, metrics: dict[str, float], at: float | None = None) -> None:
+        """Queue ``metrics`` of ``step``, taken at ``at`` (wall-clock seconds; default now)."""
         with self._cond:
             if not self._off and not self._closing:
-                self._queue.append((step, int(time.time() * 1000), metrics))
+                self._queue.append((step, int((at or time.time()) * 1000), metrics))
                 self._cond.notify_all()
 
-    def close(self, error: BaseException | None, hosts: list[str], restarts: int) -> str | None:
-        """Send the last metrics and the outcome (waits up to CLOSE_TIMEOUT_S); the run id."""
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Queue tags for the run (sent with the next batch)."""
+        with self._cond:
+            if not self._off and not self._closing:
+                self._tags.update(tags)
+                self._cond.notify_all()
+
+    def close(
+        self,
+        error: BaseException | None,
+        hosts: list[str],
+        restarts: int,
+        artifacts: list[str] | None = None,
+    ) -> str | None:
+        """Send the last metrics, the outcome and ``artifacts`` (files; waits up to
+        CLOSE_TIMEOUT_S); the run id."""
         with self._cond:
             self._closing = True
             self._outcome = (error, hosts, restarts)
+            self._artifacts = list(artifacts or [])
             self._cond.notify_all()
             given_up = self._off
         if not given_up:  # else the thread may hang on a dead server: leave it
@@ -266,14 +286,16 @@ class MlflowRun:
     def _pump(self, client: Any, mlflow_run_id: str) -> list[Any]:
         """Send reported metrics, a batch at most every FLUSH_INTERVAL_S, until the run ends;
         return the last ones, which go with the outcome (one write fewer at the end)."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric, RunTag
 
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closing)
+                self._cond.wait_for(lambda: self._queue or self._tags or self._closing)
                 reports = list(self._queue)
                 self._queue.clear()
                 last = self._closing
+                # The last tags go with the outcome.
+                tags, self._tags = ({}, self._tags) if last else (self._tags, {})
             metrics = [
                 Metric(key, value, timestamp, step)
                 for step, timestamp, values in reports
@@ -281,6 +303,9 @@ class MlflowRun:
             ]
             if last:
                 return metrics
+            if tags:  # a straggler named: rare, and worth seeing at once
+                tagged = [RunTag(k, v) for k, v in tags.items()]
+                _quietly(client.log_batch, mlflow_run_id, (), (), tagged)  # metrics, params, tags
             self._send_metrics(client, mlflow_run_id, metrics)
             with self._cond:  # at most one batch a second, unless the run ends
                 self._cond.wait_for(lambda: self._closing, timeout=FLUSH_INTERVAL_S)
@@ -305,6 +330,7 @@ class MlflowRun:
 
         error, hosts, restarts = self._outcome
         status, tags = outcome_tags(error)
+        tags = {**self._tags, **tags}  # straggler tags named as the run ended
         if hosts:
             tags["sparkdist.hosts"] = ",".join(sorted(set(hosts)))
         if restarts:
@@ -316,6 +342,8 @@ class MlflowRun:
                 metrics=last_metrics[:_OUTCOME_METRICS],
                 tags=[RunTag(k, v) for k, v in tags.items()],
             )
+            for path in self._artifacts:
+                client.log_artifact(mlflow_run_id, path)
             if owned:
                 client.set_terminated(mlflow_run_id, status)
         except Exception:

@@ -1,7 +1,8 @@
 """The driver's live view of ``runtime.report()``: a progress bar, or plain lines.
 
 In a terminal (or a notebook with ipywidgets) and with tqdm installed, a tqdm bar shows the step,
-steps/s, the ETA when the total is known, and the latest metrics. Anywhere else (CI logs,
+steps/s, the ETA when the total is known, and the latest metrics; with two ranks or more
+reporting, also the slowest and the fastest rank's steps/s. Anywhere else (CI logs,
 spark-submit writing to a file, no tqdm) a plain line is written every few seconds and once at
 the end, never ``\\r`` noise. Nothing is shown for a run that never reports.
 
@@ -23,6 +24,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from sparkdist._core.env import PROGRESS_INTERVAL_VAR
+from sparkdist._core.stragglers import RateSpread
 
 #: Seconds between two plain progress lines (overridable with SPARKDIST_PROGRESS_INTERVAL_S).
 LINE_INTERVAL_S = 10.0
@@ -44,6 +46,7 @@ class ProgressDisplay:
         self._step = 0
         self._total: int | None = None
         self._metrics: dict[str, float] = {}
+        self._spread: RateSpread | None = None  # the slowest and fastest rank's steps/s
         self._version = 0
         self._first: tuple[float, int] | None = None  # (monotonic time, step) of 1st report
         self._last_at = 0.0
@@ -74,6 +77,14 @@ class ProgressDisplay:
                 self._thread.start()
             self._cond.notify()
 
+    def update_spread(self, spread: RateSpread | None) -> None:
+        """Record the slowest and the fastest rank's rates (shown with the next draw)."""
+        with self._cond:
+            if spread != self._spread and self._thread is not None:
+                self._spread = spread
+                self._version += 1
+                self._cond.notify()
+
     def output_guard(self) -> contextlib.AbstractContextManager[Any]:
         """Wrap each line written to the terminal: a live bar steps aside and comes back."""
         if self._terminal_bar and self._bar is not None:
@@ -100,9 +111,9 @@ class ProgressDisplay:
 
     def _show(self) -> None:
         with self._cond:
-            version, step, total, metrics, _ = self._snapshot()
+            version, step, total, shown, _ = self._snapshot()
         # Rates count from the first report; the bar shows it as it opens.
-        bar = _open_bar(self.run_id, step, total, _format_metrics(metrics))
+        bar = _open_bar(self.run_id, step, total, shown)
         if bar is not None:
             self._bar, self._terminal_bar = bar
             self._shown_version = version
@@ -129,16 +140,18 @@ class ProgressDisplay:
                 with contextlib.suppress(Exception):
                     self._bar.close()
 
-    def _snapshot(self) -> tuple[int, int, int | None, dict[str, float], float | None]:
+    def _snapshot(self) -> tuple[int, int, int | None, str, float | None]:
+        """(version, step, total, the metrics and rates' spread as shown, steps/s)."""
         rate = None
         if self._first is not None and self._last_at > self._first[0]:
             rate = (self._step - self._first[1]) / (self._last_at - self._first[0])
-        return self._version, self._step, self._total, dict(self._metrics), rate
+        parts = [_format_spread(self._spread), _format_metrics(self._metrics)]
+        shown = ", ".join(part for part in parts if part)
+        return self._version, self._step, self._total, shown, rate
 
-    def _draw(self, state: tuple[int, int, int | None, dict[str, float], float | None]) -> None:
-        version, step, total, metrics, rate = state
+    def _draw(self, state: tuple[int, int, int | None, str, float | None]) -> None:
+        version, step, total, shown, rate = state
         self._shown_version = version
-        shown = _format_metrics(metrics)
         if self._bar is None:
             _write(
                 sys.stderr,
@@ -229,6 +242,16 @@ def _duration(seconds: float) -> str:
 
 def _format_metrics(metrics: Mapping[str, float]) -> str:
     return ", ".join(f"{k}={v:.4g}" for k, v in list(metrics.items())[:MAX_SHOWN_METRICS])
+
+
+def _format_spread(spread: RateSpread | None) -> str:
+    """The slowest and the fastest rank's steps/s, or "" (fewer than two ranks judged)."""
+    if spread is None:
+        return ""
+    return (
+        f"slowest rank {spread.slowest_rank} {spread.slowest_rate:.3g} steps/s, "
+        f"fastest rank {spread.fastest_rank} {spread.fastest_rate:.3g} steps/s"
+    )
 
 
 def _write(stream: IO[str], text: str) -> None:

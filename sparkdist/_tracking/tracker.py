@@ -5,7 +5,8 @@ Reports from the ranks (``runtime.report()``) arrive on the control channel's re
 the tracker keeps only those of the lowest rank that reports (normally rank 0: the same step
 must not reach MLflow once per rank), remembers the last metrics for ``RunResult``, and hands
 them to the display (``_progress``) and to MLflow (``_mlflow_run``), which do the slow work on
-threads of their own.
+threads of their own. Every rank's reports also go to the launch's ``RunWatch`` (timeline, step
+rates, stragglers), and the nodes' system samples become MLflow ``system/node_N/...`` metrics.
 
 Non-goals: drawing (``_progress``), talking to MLflow (``_mlflow_run``).
 """
@@ -15,16 +16,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import tempfile
 import threading
 
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
+from sparkdist._core.stragglers import RateSpread, StragglerEvent, Straggling
 from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_run import MlflowRun
 from sparkdist._tracking.mlflow_store import TRACKING_VAR, tracking_wanted
 from sparkdist._tracking.progress import ProgressDisplay
-from sparkdist._wire.protocol import Report
+from sparkdist._tracking.run_watch import RunWatch
+from sparkdist._wire.protocol import Report, Sample
 
 __all__ = ["TRACKING_VAR", "RunTracker", "tracking_wanted"]
 
@@ -44,6 +49,7 @@ class RunTracker:
         self._catching_up = False  # a lower rank took over: skip the steps already taken
         self._monitor: AttemptHooks | None = None
         self._attempts = 0
+        self.watch = RunWatch(config, placement)
         self._mlflow = (
             MlflowRun(config, placement, run_id, self.display)
             if tracking_wanted(config.mlflow)
@@ -59,8 +65,16 @@ class RunTracker:
         if self._mlflow is not None:
             self._mlflow.hold(monitor)
 
-    def on_report(self, message: Report) -> None:
-        """A rank's ``runtime.report()``: runs on a channel reader thread, so it stays cheap."""
+    def on_report(self, message: Report | Sample) -> None:
+        """A rank's ``runtime.report()`` or a node's system sample: runs on a channel reader
+        thread, so it stays cheap."""
+        if isinstance(message, Sample):
+            self._on_sample(message)
+            return
+        checked = self.watch.report(message)
+        if checked is not None:
+            self._on_check(*checked)
+        self.watch.new_attempt()
         rank, step, total = message.rank, message.step, message.total
         # The channel admits only finite numbers; a report built in-process is held to the same.
         metrics = {
@@ -94,17 +108,62 @@ class RunTracker:
         mlflow_run_id = None
         try:
             self.display.close()
+    def _on_sample(self, message: Sample) -> None:
+        hosts = self._monitor.node_hosts if self._monitor is not None else {}
+        index, sample = self.watch.sample(message, hosts.get(message.node, ""))
+        if self._mlflow is not None:  # named as MLflow's own monitor names a node's metrics
+            prefix = f"system/node_{message.node}/"
+            metrics = {prefix + name: value for name, value in sample.metrics.items()}
+            self._mlflow.log_metrics(index, metrics, at=sample.time)
+
+    def _on_check(self, events: list[StragglerEvent], spread: RateSpread | None) -> None:
+        self.display.update_spread(spread)
+        hosts = self._monitor.node_hosts if self._monitor is not None else {}
+        for event in events:
+            if not isinstance(event, Straggling):
+                logger.info("sparkdist: rank %d caught up (%.3g steps/s)", event.rank, event.rate)
+                continue
+            line = self.watch.straggler_line(event, hosts)
+            with self.display.output_guard():
+                logger.warning("sparkdist: %s", line)
+            if self._mlflow is not None:
+                self._mlflow.set_tags({f"sparkdist.straggler.rank_{event.rank}": line})
+
             if self._mlflow is not None:
                 hosts = (
                     result.hosts
+        if result is not None:
+            result = dataclasses.replace(
+                result,
+                last_metrics=dict(self.last_metrics),
+                timeline=self.watch.timeline(result.timeline),
+                system_samples=list(self.watch.samples),
+            )
                     if result is not None
                     else (list(self._monitor.node_hosts.values()) if self._monitor else [])
                 )
-                mlflow_run_id = self._mlflow.close(error, hosts, self._attempts - 1)
+                with tempfile.TemporaryDirectory(prefix="sparkdist-report-") as folder:
+                    artifacts = _report(result, folder)
+                    mlflow_run_id = self._mlflow.close(error, hosts, self._attempts - 1, artifacts)
         except Exception:  # tracking never changes a run's outcome
             logger.debug("sparkdist: closing the run's tracking failed", exc_info=True)
         if result is None:
             return None
-        return dataclasses.replace(
-            result, mlflow_run_id=mlflow_run_id, last_metrics=dict(self.last_metrics)
-        )
+        return dataclasses.replace(result, mlflow_run_id=mlflow_run_id)
+
+
+#: The run report's file name among the MLflow run's artifacts.
+REPORT_ARTIFACT = "sparkdist_report.png"
+
+
+def _report(result: RunResult | None, folder: str) -> list[str]:
+    """The run's report, drawn into ``folder``, for a run that has system samples (a run
+    shorter than one sample interval has nothing to draw but its timeline, and is spared
+    matplotlib's import)."""
+    if result is None or not result.system_samples:
+        return []
+    try:
+        return [result.save_report(os.path.join(folder, REPORT_ARTIFACT))]
+    except Exception:  # noqa: BLE001 - no matplotlib, a drawing bug: the run is fine
+        logger.debug("sparkdist: drawing the run report failed", exc_info=True)
+        return []

@@ -172,6 +172,25 @@ class Report:
 
 
 @dataclass(frozen=True)
+class Sample:
+    """Agent to driver: one node's system metrics (``_node.sampler``).
+
+    Attributes:
+        node: the node.
+        time: wall-clock time of the sample (seconds since the epoch).
+        metrics: values by MLflow's system-metric names without the ``system/`` prefix
+            (``cpu_utilization_percentage``, ``gpu_0_power_usage_watts``...).
+        gpus: the node's GPU addresses in local-rank order, comma-separated ("" on CPU).
+    """
+
+    node: int
+    time: float
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    gpus: str = ""
+    kind: ClassVar[str] = "sample"
+
+
+@dataclass(frozen=True)
 class Beat:
     """Worker to agent: this rank is alive (``runtime.heartbeat()``)."""
 
@@ -243,6 +262,7 @@ Message: TypeAlias = (
     | Bye
     | Log
     | Report
+    | Sample
     | Beat
     | Rendezvous
     | Abort

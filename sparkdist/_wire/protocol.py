@@ -71,6 +71,7 @@ from sparkdist._wire.messages import (
     Report,
     Route,
     Rows,
+    Sample,
     ServerProof,
     Store,
     Stream,
@@ -107,6 +108,7 @@ __all__ = [
     "Report",
     "Route",
     "Rows",
+    "Sample",
     "ServerProof",
     "Store",
     "Stream",
@@ -129,6 +131,7 @@ _REASON = text(MAX_REASON_CHARS)
 _HEX = hex_digits(2 * NONCE_BYTES)
 _STREAM = one_of({"stdout": Stream.STDOUT, "stderr": Stream.STDERR})
 _ENV_KEY = member(RENDEZVOUS_ENV_VARS, "a variable the rendezvous may set")
+_METRICS = mapping(text(MAX_METRIC_NAME_CHARS), number, MAX_METRICS)
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,17 @@ def _kinds() -> dict[str, _Kind]:
                 ("rank", _RANK, True),
                 ("step", optional(integer()), False),
                 ("total", optional(integer()), False),
-                ("metrics", mapping(text(MAX_METRIC_NAME_CHARS), number, MAX_METRICS), False),
+                ("metrics", _METRICS, False),
+            ),
+        ),
+        (
+            Sample,
+            frozenset({to_driver}),
+            (
+                ("node", _NODE, True),
+                ("time", number, True),
+                ("metrics", _METRICS, False),
+                ("gpus", _HOST, False),
             ),
         ),
         (Beat, frozenset({worker}), (("rank", _RANK, True),)),
@@ -224,6 +237,7 @@ def _kinds() -> dict[str, _Kind]:
         Rows: lambda m: {"t": "rows", "counts": {str(r): n for r, n in m.counts.items()}},
         Refused: lambda m: {**_plain(m), "rows": [list(row) for row in m.rows]},
         Report: lambda m: {**_plain(m), "metrics": dict(m.metrics)},
+        Sample: lambda m: {**_plain(m), "metrics": dict(m.metrics)},
         Rendezvous: lambda m: {**_plain(m), "env": dict(m.env)},
     }
     return {

@@ -24,6 +24,7 @@ LONG_MODULES = {
     "pytest_plugin.py": "pytest hooks and fixtures with their help texts",
     "_tracking/mlflow_run.py": "the MLflow run's life on its own thread",
     "_wire/client.py": "the agent's I/O loop",
+    "_wire/protocol.py": "every kind's field table beside the one codec that reads it",
 }
 MAX_LINES = 400
 

@@ -140,6 +140,8 @@ def test_contradictions_and_bad_files_are_config_errors(in_tmp, argv, message):
         ["run", "--local", "--master", "yarn", "train.py"],
         ["run", "--timeout", "-1", "train.py"],
         ["run", "--max-restarts", "-1", "train.py"],
+        ["run", "--system-metrics-interval", "-1", "train.py"],
+        ["run", "--straggler-fraction", "half", "train.py"],
         ["run", "--mode", "horovod", "train.py"],
         ["run"],
         [],

@@ -98,6 +98,12 @@ CASES = [
     ({"requirements": ["numpy>=1"]}, ConfigError, ["requirements entry 'numpy>=1'"]),
     ({"job_size_warn_mb": "big"}, ConfigTypeError, ["job_size_warn_mb", "'big'"]),
     ({"job_size_limit_mb": 0}, ConfigError, ["job_size_limit_mb must be a positive number"]),
+    ({"system_metrics_interval_s": "10"}, ConfigTypeError, ["system_metrics_interval_s", "'10'"]),
+    ({"system_metrics_interval_s": -1}, ConfigError, ["system_metrics_interval_s", ">= 0", "-1"]),
+    ({"straggler_fraction": True}, ConfigTypeError, ["straggler_fraction must be a number"]),
+    ({"straggler_fraction": 1.0}, ConfigError, ["straggler_fraction", "in [0, 1)", "1.0"]),
+    ({"straggler_fraction": float("nan")}, ConfigError, ["straggler_fraction", "nan"]),
+    ({"straggler_window_s": 0}, ConfigError, ["straggler_window_s must be a positive number"]),
     # local ranks past a sane bound, unless asked for
     (
         {"num_processes": TOO_MANY, "use_gpu": False},

@@ -90,6 +90,9 @@ EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "job_size_warn_mb": (5.0, {}),
     "job_size_limit_mb": (4096.0, {}),
     "allow_oversubscribe": (True, {}),
+    "system_metrics_interval_s": (0.0, {}),
+    "straggler_fraction": (0.5, {}),
+    "straggler_window_s": (5.0, {}),
 }
 
 

@@ -73,6 +73,13 @@ MESSAGES: dict[type, st.SearchStrategy] = {
         total=st.none() | int64,
         metrics=st.dictionaries(st.text(max_size=250), finite, max_size=10),
     ),
+    protocol.Sample: st.builds(
+        protocol.Sample,
+        node=ranks,
+        time=finite,
+        metrics=st.dictionaries(st.text(max_size=250), finite, max_size=10),
+        gpus=names,
+    ),
     protocol.Beat: st.builds(protocol.Beat, rank=ranks),
     protocol.Rendezvous: st.builds(
         protocol.Rendezvous,
@@ -206,6 +213,9 @@ REFUSED = [
     ("unicode digit key", '{"t": "rows", "counts": {"²": 1}}'.encode()),
     ("short row", b'{"t": "refused", "node": 0, "host": "h", "reason": null, "rows": [["a"]]}'),
     ("metric value", b'{"t": "report", "rank": 0, "metrics": {"loss": "low"}}'),
+    ("sample value", b'{"t": "sample", "node": 0, "time": 1, "metrics": {"cpu": "high"}}'),
+    ("sample time", b'{"t": "sample", "node": 0, "time": "now"}'),
+    ("sample gpus", b'{"t": "sample", "node": 0, "time": 1, "gpus": [0, 1]}'),
     ("env LD_PRELOAD", b'{"t": "rendezvous", "master_port": 1, "env": {"LD_PRELOAD": "/x.so"}}'),
     ("env MASTER_ADDR", b'{"t": "rendezvous", "master_port": 1, "env": {"MASTER_ADDR": "e"}}'),
     ("env value type", b'{"t": "rendezvous", "master_port": 1, "env": {"MLFLOW_RUN_ID": 1}}'),
@@ -230,6 +240,7 @@ ROUTES = [
     (b'{"t": "log", "rank": 0, "stream": "stdout", "line": ""}', Route.HANDSHAKE),
     (b'{"t": "c_proof", "mac": "' + b"a" * 64 + b'"}', Route.TO_DRIVER),
     (b'{"t": "beat", "rank": 0}', Route.TO_DRIVER),  # the worker's pipe only
+    (b'{"t": "sample", "node": 0, "time": 1}', Route.WORKER),  # the agent's own
 ]
 
 
@@ -265,6 +276,10 @@ def test_the_largest_valid_messages_fit_a_frame():
         0, 1, 2, {f"{i:0250d}": -1.2345678901234567e-300 for i in range(protocol.MAX_METRICS)}
     )
     assert len(encode(report)) <= MAX_MESSAGE_BYTES
+    sample = protocol.Sample(
+        0, 1.0, {f"{i:0250d}": -1.2345678901234567e-300 for i in range(protocol.MAX_METRICS)}
+    )
+    assert len(encode(sample)) <= MAX_MESSAGE_BYTES
 
 
 def test_long_lines_travel_as_chunks_and_long_reasons_are_cut():
