@@ -31,10 +31,10 @@ from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
-    LaunchConfig,
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_WINDOW_S,
     DEFAULT_SYSTEM_METRICS_INTERVAL_S,
+    LaunchConfig,
     Mode,
     build_config,
 )
@@ -76,11 +76,11 @@ def distributed(
     job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
     job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB,
     allow_oversubscribe: bool = False,
-    spark: Any | None = None,
-) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
     straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
     straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
+    spark: Any | None = None,
+) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
 
     Every argument is checked here, when the decorator is applied, so a wrong one fails at

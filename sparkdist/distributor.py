@@ -18,10 +18,10 @@ from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_START_TIMEOUT_S,
-    Mode,
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_WINDOW_S,
     DEFAULT_SYSTEM_METRICS_INTERVAL_S,
+    Mode,
     build_config,
 )
 from sparkdist._core.errors import ConfigError, SparkdistError
@@ -90,8 +90,6 @@ class Distributor:
         allow_oversubscribe: allow more than 4 local CPU ranks per core of the driver (refused
             otherwise, with ``ConfigError``, before anything starts). Local GPU ranks are
             bounded by the driver's GPUs whatever this says.
-        spark: the SparkSession to use (default: the active one; Spark mode creates one if
-            there is none, local mode needs none). A Spark Connect session works too.
         system_metrics_interval_s: every node samples its CPU %, host memory, the ranks' memory
             (RSS of their process trees) and, with NVML, each of its ranks' GPUs (utilisation,
             memory, power) this often; the samples become MLflow ``system/node_N/...`` metrics
@@ -101,6 +99,8 @@ class Distributor:
             warning line and an MLflow tag, with its node and GPU, once per episode; 0 turns
             detection off.
         straggler_window_s: how long, in seconds, a rank must stay behind to be named.
+        spark: the SparkSession to use (default: the active one; Spark mode creates one if
+            there is none, local mode needs none). A Spark Connect session works too.
 
     Raises:
         ConfigError: an option is refused, naming it, the value and what is accepted, before
@@ -138,11 +138,11 @@ class Distributor:
         job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
         job_size_limit_mb: float = DEFAULT_JOB_SIZE_LIMIT_MB,
         allow_oversubscribe: bool = False,
-        spark: Any | None = None,
-    ) -> None:
         system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
         straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
         straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
+        spark: Any | None = None,
+    ) -> None:
         # Every keyword but ``spark`` is an option of the table (``_core.config.OPTIONS``), under
         # its own name: build_config checks and normalises them all, in one place.
         options = {name: value for name, value in locals().items() if name not in _NOT_OPTIONS}

@@ -62,6 +62,7 @@ class RunTracker:
         monitor.output_guard = self.display.output_guard
         self._monitor = monitor
         self._attempts += 1
+        self.watch.new_attempt()
         if self._mlflow is not None:
             self._mlflow.hold(monitor)
 
@@ -74,7 +75,6 @@ class RunTracker:
         checked = self.watch.report(message)
         if checked is not None:
             self._on_check(*checked)
-        self.watch.new_attempt()
         rank, step, total = message.rank, message.step, message.total
         # The channel admits only finite numbers; a report built in-process is held to the same.
         metrics = {
@@ -103,11 +103,6 @@ class RunTracker:
         if self._mlflow is not None and metrics:
             self._mlflow.log_metrics(step, metrics)
 
-    def close(self, result: RunResult | None, error: BaseException | None) -> RunResult | None:
-        """End the display and the MLflow run; return ``result`` with the tracking fields."""
-        mlflow_run_id = None
-        try:
-            self.display.close()
     def _on_sample(self, message: Sample) -> None:
         hosts = self._monitor.node_hosts if self._monitor is not None else {}
         index, sample = self.watch.sample(message, hosts.get(message.node, ""))
@@ -129,9 +124,9 @@ class RunTracker:
             if self._mlflow is not None:
                 self._mlflow.set_tags({f"sparkdist.straggler.rank_{event.rank}": line})
 
-            if self._mlflow is not None:
-                hosts = (
-                    result.hosts
+    def close(self, result: RunResult | None, error: BaseException | None) -> RunResult | None:
+        """End the display and the MLflow run; return ``result`` with the tracking fields."""
+        mlflow_run_id = None
         if result is not None:
             result = dataclasses.replace(
                 result,
@@ -139,6 +134,11 @@ class RunTracker:
                 timeline=self.watch.timeline(result.timeline),
                 system_samples=list(self.watch.samples),
             )
+        try:
+            self.display.close()
+            if self._mlflow is not None:
+                hosts = (
+                    result.hosts
                     if result is not None
                     else (list(self._monitor.node_hosts.values()) if self._monitor else [])
                 )
