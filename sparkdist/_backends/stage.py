@@ -145,5 +145,19 @@ def _barrier_task(
         gpu_addresses=gpus,
         job_file=executor_path(template.job_file),
     )
-    for outcome in run_agent(spec, batches, all_gather=context.allGather):
+    outcomes = run_agent(spec, batches, all_gather=context.allGather)
+    _drop_job_copy(spec, context)
+    for outcome in outcomes:
         yield cloudpickle.dumps(outcome)
+
+
+def _drop_job_copy(spec: AgentSpec, context: Any) -> None:
+    """Remove this executor's copy of a large job (Spark leaves what ``addFile`` fetched in
+    the executor's work directory for good) once no later attempt of the run can read it."""
+    if spec.job_file is None or spec.restart_count < spec.max_restarts:
+        return  # a restart may run here again; the last attempt removes it
+    # Tasks may share the copy (local[n] runs them in one process): once every task is here,
+    # every rank of the run has loaded it.
+    context.barrier()
+    with contextlib.suppress(OSError):
+        os.remove(spec.job_file)

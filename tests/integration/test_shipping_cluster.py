@@ -126,6 +126,19 @@ def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(spark_cluster,
     from pyspark import SparkFiles
 
     assert not os.path.exists(os.path.join(SparkFiles.getRootDirectory(), name))
+    # Nor does any executor keep its copy (Spark would leave it in work/app-*/ for good).
+    app_dirs = glob.glob(os.path.join(_worker_dir(), f"{sc.applicationId}", "*"))
+    assert app_dirs, "the executors' work directories were not found"
+    assert not [d for d in app_dirs if os.path.exists(os.path.join(d, name))]
+
+
+def _worker_dir() -> str:
+    """Where local-cluster's workers keep their executors' directories (SPARK_HOME/work)."""
+    import pyspark
+
+    return os.environ.get("SPARK_WORKER_DIR") or os.path.join(
+        os.path.dirname(pyspark.__file__), "work"
+    )
 
 
 def test_a_200_mb_capture_is_named_and_the_run_still_works(caplog):
