@@ -14,6 +14,7 @@ Non-goals: driver-side Spark queries (``_spark``); what an agent does (``_agent`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
