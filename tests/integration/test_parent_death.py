@@ -39,7 +39,14 @@ DRIVER = textwrap.dedent("""
         else:  # a C call holding the GIL: no Python thread of the rank runs meanwhile
             ctypes.PyDLL(None).sleep(120)
 
-    Distributor(2, use_gpu=False).run(stuck, sys.argv[1], sys.argv[2])
+    if sys.argv[3] == "spark":  # local[2]: the ranks run under Spark's Python workers
+        from pyspark.sql import SparkSession
+
+        spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
+                 .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+        spark.sparkContext.setLogLevel("ERROR")
+    Distributor(2, use_gpu=False, local_mode=sys.argv[3] != "spark").run(
+        stuck, sys.argv[1], sys.argv[2])
 """)
 
 
@@ -69,12 +76,23 @@ def _alive(pids: list[int]) -> list[int]:
 @pytest.mark.parametrize("pool", ["warm pool", "cold"])
 @pytest.mark.parametrize("how", ["time.sleep", "C call, GIL released", "C call, GIL held"])
 def test_a_killed_driver_leaves_no_rank(tmp_path, monkeypatch, pool, how):
+    _kill_the_driver_and_check(tmp_path, monkeypatch, pool, how, "local")
+
+
+def test_a_killed_spark_driver_leaves_no_rank(tmp_path, monkeypatch):
+    """Spark mode (local[2]): the driver's JVM and Spark's Python workers go with the driver;
+    the agents and their ranks with them (the bound is the same)."""
+    _kill_the_driver_and_check(tmp_path, monkeypatch, "warm pool", "C call, GIL held", "spark")
+
+
+def _kill_the_driver_and_check(tmp_path, monkeypatch, pool, how, where):
     (tmp_path / "driver.py").write_text(DRIVER)
     out = tmp_path / "out"
     out.mkdir()
     env = dict(os.environ, **{_pool.POOL_VAR: "1" if pool == "warm pool" else "0"})
+    env["PYSPARK_PYTHON"] = env["PYSPARK_DRIVER_PYTHON"] = sys.executable
     driver = subprocess.Popen(
-        [sys.executable, "driver.py", str(out), how],
+        [sys.executable, "driver.py", str(out), how, where],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -95,7 +113,7 @@ def test_a_killed_driver_leaves_no_rank(tmp_path, monkeypatch, pool, how):
     for pid in survivors:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
-    print(f"{pool}, {how}: last rank gone {gone_after:.3f} s after the driver's SIGKILL")
+    print(f"{where}, {pool}, {how}: last rank gone {gone_after:.3f} s after the driver's SIGKILL")
     assert not survivors, f"ranks {survivors} outlived their driver by {BOUND_S + 5} s"
     assert gone_after <= BOUND_S
     # What the killed driver's agent left in the temp directory goes at the next start.
