@@ -57,6 +57,10 @@ __all__ = ["Agent", "run_agent"]
 
 logger = logging.getLogger("sparkdist")
 
+#: After the driver's channel closed mid-run, how long the ranks may go on without it (unless
+#: ``heartbeat_timeout_s`` is set: then that long). Documented in docs/restarts.md.
+DRIVER_LOSS_GRACE_S = 60.0
+
 
 def run_agent(
     spec: AgentSpec,
@@ -125,6 +129,7 @@ class Agent:
         self.aborting = False
         self.abort_reason = ""
         self.stop_reason: str | None = None  # set by ``stop``: spawn nothing more
+        self.driver_lost_at: float | None = None  # monotonic; the channel closed mid-run
         self.lock = threading.Lock()
 
     def run(self) -> list[Outcome]:
@@ -257,7 +262,7 @@ class Agent:
         running = set(self.workers)
         while running:
             try:
-                kind, payload = self.events.get(timeout=self._until_next_hang_check())
+                kind, payload = self.events.get(timeout=self._until_next_check())
             except queue.Empty:
                 self._check_hangs(outbox)
                 continue
@@ -271,15 +276,36 @@ class Agent:
             elif kind == "abort":
                 self._abort(str(payload))
             elif kind == "driver_gone" and not self.link.detached:
-                # The driver closes the channel only once it is done with this attempt: if the
-                # ranks still run, the driver died (or gave up on them). Nobody would collect
-                # what they compute, and they hold GPUs: end them now, whatever stage they are.
-                self._abort("the driver's control channel closed: the driver is gone")
+                if self.master_port is None:
+                    # Before the rendezvous the run cannot go on without the driver.
+                    self._abort("the driver's control channel closed before the rendezvous")
+                else:
+                    # The ranks need the driver no more, but a driver that died never collects
+                    # what they compute while they hold GPUs. Its own process's death ends its
+                    # Spark tasks (and so the ranks, with their parents); for whatever else,
+                    # the ranks get a grace to finish, then end.
+                    self.driver_lost_at = time.monotonic()
 
-    def _until_next_hang_check(self) -> float | None:
+    def _driver_loss_grace_s(self) -> float:
+        return self.spec.heartbeat_timeout_s or DRIVER_LOSS_GRACE_S
+
+    def _until_next_check(self) -> float | None:
         if self.aborting:
             return None
-        return next_check_in_s(self.workers.values(), self.spec.heartbeat_timeout_s)
+        waits = [next_check_in_s(self.workers.values(), self.spec.heartbeat_timeout_s)]
+        if self.driver_lost_at is not None:
+            grace_ends = self.driver_lost_at + self._driver_loss_grace_s()
+            waits.append(max(0.0, grace_ends - time.monotonic()))
+        return min((w for w in waits if w is not None), default=None)
+
+    def _check_driver_loss(self) -> None:
+        lost_at = self.driver_lost_at
+        grace_s = self._driver_loss_grace_s()
+        if not self.aborting and lost_at is not None and time.monotonic() - lost_at >= grace_s:
+            self._abort(
+                f"the driver's control channel closed {grace_s:g} s ago and the ranks still "
+                "run: the driver is gone (heartbeat_timeout_s sets this grace)"
+            )
 
     def _check_hangs(self, outbox: Outbox) -> None:
         if self.aborting:

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from sparkdist import Distributor, RendezvousError, WorkerFailedError
+from sparkdist import Distributor, RendezvousError, SparkdistError, WorkerFailedError
 from sparkdist._core.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
@@ -180,6 +180,34 @@ def test_training_finishes_when_the_drivers_channel_goes_away():
     run._attempt.server.close()  # the driver side of the channel is gone mid-run
     result = run.result(timeout=60)
     assert result.values == ["finished", "finished"]
+    assert not run_processes()
+
+
+def test_ranks_end_a_grace_after_the_drivers_channel_goes_away():
+    """The channel closed mid-run and the ranks would run on: after the grace
+    (heartbeat_timeout_s here) the agent ends them, since nobody may be collecting."""
+
+    def endless():
+        import time
+
+        from sparkdist import runtime
+
+        while True:
+            runtime.heartbeat()
+            time.sleep(0.05)
+
+    config = LaunchConfig(num_processes=2, use_gpu=False, heartbeat_timeout_s=2)
+    run = Launch(config, make_job(endless, (), {}))
+    deadline = time.monotonic() + 60
+    while len(run._attempt.monitor.state.joined) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    closed = time.monotonic()
+    run._attempt.server.close()
+    with pytest.raises(SparkdistError) as info:
+        run.result(timeout=60)
+    took = time.monotonic() - closed
+    assert 2 <= took < 20, took
+    assert "driver is gone" in str(info.value)
     assert not run_processes()
 
 
