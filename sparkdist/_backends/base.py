@@ -40,6 +40,8 @@ class RunningAgents:
         goodbye_before_cancel: after an abort, wait for the agents' goodbyes before
             ``cancel`` (a Spark task cancelled first may be killed half-way through its
             clean-up).
+        in_process: the agent runs on a thread of this process (local mode): when it raised,
+            no goodbye is coming, and its failure is no Spark stage's.
     """
 
     def __init__(
@@ -51,11 +53,13 @@ class RunningAgents:
         stop: Callable[[str], None] | None = None,
         cancel: Callable[[], None] | None = None,
         goodbye_before_cancel: bool = False,
+        in_process: bool = False,
     ) -> None:
         self.outcomes: list[Outcome] | None = None
         self.error: BaseException | None = None
         self.done = False
         self.goodbye_before_cancel = goodbye_before_cancel
+        self.in_process = in_process
         self._stop = stop
         self._cancel = cancel
         self._on_done = on_done

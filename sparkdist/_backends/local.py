@@ -82,7 +82,11 @@ class LocalBackend:
     ) -> RunningAgents:
         agent = Agent(template)
         return RunningAgents(
-            f"sparkdist-run-{template.run_id}", agent.run, on_done, stop=agent.stop
+            f"sparkdist-run-{template.run_id}",
+            agent.run,
+            on_done,
+            stop=agent.stop,
+            in_process=True,
         )
 
 

@@ -222,7 +222,9 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
         # Finished agents have reaped their ranks; only nodes that reached the channel say bye
         # (detached ones never connect). After a failed stage every node's agent gets the full
         # drain time: Spark stops the other tasks asynchronously.
-        expected = state.expected_goodbyes()
+        # A local agent that raised said no goodbye and never will.
+        failed_here = agents.error is not None and agents.in_process
+        expected = 0 if failed_here else state.expected_goodbyes()
         monitor.changed.wait_for(lambda: len(state.done_nodes) >= expected, timeout=OUTPUT_DRAIN_S)
     if state.stop_cause is StopCause.CANCELLED:
         raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
@@ -233,7 +235,7 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
     if state.data_error is not None:
         raise ConfigError(state.data_error)
     if agents.error is not None:
-        raise _stage_failure(agents.error, monitor)
+        raise _stage_failure(agents.error, monitor, in_process=agents.in_process)
     assert agents.outcomes is not None
     return agents.outcomes
 
@@ -270,7 +272,9 @@ def request_cancel(monitor: RunMonitor, reason: str, agents: RunningAgents | Non
         agents.stop_now(reason)
 
 
-def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
+def _stage_failure(
+    error: BaseException, monitor: RunMonitor, *, in_process: bool = False
+) -> BaseException:
     """The agents' side itself failed (an executor died, a task raised before its agent ran,
     a detached node reported its ranks' failures in its task error)."""
     if isinstance(error, (ClusterError, WorkerFailedError)):
@@ -311,10 +315,11 @@ def _stage_failure(error: BaseException, monitor: RunMonitor) -> BaseException:
         failed = WorkerFailedError(failures, failures[_root_of(failures, monitor, {})])
         failed.__cause__ = error
         return failed
-    cluster = ClusterError(
-        f"the Spark barrier stage failed before the ranks reported: {summary}; see the "
-        "executor logs for the cause"
-    )
+    if in_process:
+        where, hint = "the local agent", "the traceback below has the cause"
+    else:
+        where, hint = "the Spark barrier stage", "see the executor logs for the cause"
+    cluster = ClusterError(f"{where} failed before the ranks reported: {summary}; {hint}")
     cluster.__cause__ = error
     return cluster
 

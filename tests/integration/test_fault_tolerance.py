@@ -11,7 +11,13 @@ import time
 
 import pytest
 
-from sparkdist import Distributor, RendezvousError, SparkdistError, WorkerFailedError
+from sparkdist import (
+    ClusterError,
+    Distributor,
+    RendezvousError,
+    SparkdistError,
+    WorkerFailedError,
+)
 from sparkdist._core.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
@@ -208,6 +214,27 @@ def test_ranks_end_a_grace_after_the_drivers_channel_goes_away():
     took = time.monotonic() - closed
     assert 2 <= took < 20, took
     assert "driver is gone" in str(info.value)
+    assert not run_processes()
+
+
+def test_a_local_spawn_failure_is_reported_at_once_and_as_local(monkeypatch):
+    """The OS refuses to start a rank (EAGAIN from fork). Injected in the agent's call, as a
+    real process limit (RLIMIT_NPROC) would starve the whole test session."""
+    from sparkdist._node import ranks
+
+    def refused(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(ranks, "start_rank", refused)
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as info:
+        Distributor(2, use_gpu=False).run(int)
+    took = time.monotonic() - started
+    message = str(info.value)
+    assert message.startswith("the local agent failed before the ranks reported")
+    assert "Resource temporarily unavailable" in message
+    assert "Spark" not in message and "executor" not in message
+    assert took < 3.0, f"{took:.2f} s: waited for a goodbye that never comes"
     assert not run_processes()
 
 
