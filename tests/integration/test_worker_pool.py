@@ -3,9 +3,11 @@ run leaking into the next."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import sys
+import tempfile
 import time
 
 import psutil
@@ -135,3 +137,19 @@ def test_a_stuck_zygote_and_a_short_start_timeout_name_the_stage(tmp_path):
     assert "start_timeout_s=2" in str(caught.value)
     assert "warm pool" in str(caught.value)
     assert took < 2 + _pool.FORK_ANSWER_TIMEOUT_S + 10
+
+
+def test_a_failed_pool_start_leaves_no_directory_and_runs_cold(monkeypatch):
+    """The zygote does not come up in time: the run starts its ranks cold, and the pool's
+    directory of that attempt is gone."""
+    from sparkdist._node import zygote_client
+
+    def pool_dirs():
+        return set(glob.glob(os.path.join(tempfile.gettempdir(), "sparkdist_pool-*")))
+
+    before = pool_dirs()
+    monkeypatch.setattr(zygote_client, "ZYGOTE_START_TIMEOUT_S", 0.001)
+    view = Distributor(1, use_gpu=False).run(rank_view)
+    assert view["ppid"] == os.getpid() and view["name"] != "sparkdist-r0"  # cold
+    assert _pool.zygote_count() == 0
+    assert pool_dirs() <= before
