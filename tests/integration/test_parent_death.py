@@ -16,11 +16,11 @@ import sys
 import textwrap
 import time
 
-import psutil
 import pytest
 
 from sparkdist import Distributor
 from sparkdist._node import pool as _pool
+from tests.integration.test_reaper import _alive
 
 #: No rank may outlive the driver by more than this.
 BOUND_S = 2.0
@@ -62,15 +62,6 @@ def _rank_pids(out_dir, world_size: int, timeout_s: float) -> list[int]:
             return [int(f.read_text()) for f in files]
         time.sleep(0.05)
     pytest.fail(f"the ranks did not start within {timeout_s} s")
-
-
-def _alive(pids: list[int]) -> list[int]:
-    living = []
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                living.append(pid)
-    return living
 
 
 @pytest.mark.parametrize("pool", ["warm pool", "cold"])
