@@ -36,7 +36,7 @@ def render_report(result: RunResult, path: str) -> str:
     samples = result.system_samples
     panels = 1 + (2 if samples else 0)
     ranks = result.timeline[:MAX_DRAWN_RANKS]
-    timeline_in = 0.6 + 0.22 * max(len(ranks), 1)
+    timeline_in = max(1.8, 0.6 + 0.22 * len(ranks))  # room for the title and the axis
     figure = Figure(figsize=(_WIDTH_IN, timeline_in + 2.2 * (panels - 1)), dpi=_DPI)
     FigureCanvasAgg(figure)
     axes = figure.subplots(
@@ -107,4 +107,5 @@ def _draw_samples(cpu_ax: Any, memory_ax: Any, result: RunResult, origin: float)
     memory_ax.set_ylabel("memory MB")
     for ax in (cpu_ax, memory_ax):
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7, loc="upper left")
+        if ax.get_lines():
+            ax.legend(fontsize=7, loc="upper left")
