@@ -29,7 +29,7 @@ from sparkdist._core.errors import (
     WorkerFailedError,
 )
 from sparkdist._core.placement import Placement
-from sparkdist._core.result import RankTimeline, RunResult
+from sparkdist._core.result import RunResult
 from sparkdist._core.run_state import (
     AbortAll,
     AgentsEnded,
@@ -58,9 +58,10 @@ from sparkdist._core.run_state import (
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
 from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
 from sparkdist._node.detached import failures_in
+from sparkdist._tracking.run_watch import spawn_timeline
 from sparkdist._wire import protocol
 from sparkdist._wire.channel import ChannelServer, Peer
-from sparkdist._wire.payload import Outcome, loads
+from sparkdist._wire.payload import Outcome, loads, release_values
 
 logger = logging.getLogger("sparkdist")
 
@@ -339,9 +340,9 @@ def result_of(
             failures[rank] = RankFailure(
                 rank=rank, host="", exit_code=None, exc_type="", message="never reported back"
             )
+        release_values(outcomes)  # the ranks that did finish: their values go unread
         raise _failure_error(failures, monitor, by_rank)
     ordered = [by_rank[r] for r in range(placement.world_size)]
-    per_task = placement.processes_per_task
     for outcome in ordered:  # output a detached node kept: now, in rank order
         for stream, line in outcome.output:
             _print_rank_line(protocol.Log(outcome.rank, protocol.Stream(stream), line))
@@ -356,10 +357,7 @@ def result_of(
         num_tasks=placement.num_tasks,
         dropped_lines=monitor.dropped,
         mode_settings=config.mode_settings(),
-        timeline=[  # spawn and exit; the tracker adds the steps it saw
-            RankTimeline(o.rank, o.rank // per_task, o.host, o.ended_at - o.wall_time_s, o.ended_at)
-            for o in ordered
-        ],
+        timeline=spawn_timeline(ordered, placement.processes_per_task),  # + steps: the tracker
     )
 
 

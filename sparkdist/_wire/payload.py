@@ -18,7 +18,7 @@ import pickle
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,6 +252,14 @@ class _RecordingPickler(_FilenameKeepingPickler):
 
 def _torch_classes_reduce(_: Any) -> tuple[Any, tuple[str]]:
     return importlib.import_module, ("torch.classes",)
+
+
+def release_values(outcomes: Iterable[Outcome]) -> None:
+    """Let go of the value files of ``outcomes`` whose values will not be read (a failed run):
+    an error's traceback would otherwise keep them, and their disk space, for its lifetime."""
+    for outcome in outcomes:
+        if isinstance(outcome.value_bytes, ValueFile):
+            outcome.value_bytes.close()
 
 
 def loads(data: bytes | ValueFile) -> Any:

@@ -15,7 +15,15 @@ import pytest
 import sparkdist
 from sparkdist import ConfigError, RankFailure, WorkerFailedError
 from sparkdist._core.errors import ClusterError, RendezvousError, RunTimeoutError
-from sparkdist._wire.payload import Job, Outcome, TargetKind, ValueFile, dumps_job, loads
+from sparkdist._wire.payload import (
+    Job,
+    Outcome,
+    TargetKind,
+    ValueFile,
+    dumps_job,
+    loads,
+    release_values,
+)
 
 
 def _round_trip_in_fresh_interpreter(data: bytes) -> str:
@@ -65,6 +73,14 @@ def test_a_value_is_unpickled_from_its_file_even_once_the_run_directory_is_gone(
     assert loads(value_file) == {"loss": 0.5, "blob": b"x" * 100_000}
     with pytest.raises(ValueError, match="already read and closed"):
         loads(value_file)  # read once: the file is let go as soon as the value exists
+
+
+def test_a_failed_runs_unread_values_let_go_of_their_files(tmp_path):
+    _, value_file = _value_file(tmp_path, "done before the others failed")
+    outcomes = [Outcome(0, "h", 0, 0.5, value_bytes=value_file), Outcome(1, "h", 1, 0.5)]
+    release_values(outcomes)
+    with pytest.raises(ValueError, match="already read and closed"):
+        loads(value_file)
 
 
 def test_an_outcome_holding_a_value_file_crosses_processes_as_bytes(tmp_path):
