@@ -1,8 +1,11 @@
 """Inside a rank: this rank's rows of the Spark DataFrame the run was given.
 
 ``Distributor(...).run(train, spark_dataframe=df)`` makes the barrier stage stream each task's
-partition to local disk as Arrow IPC (one file per rank); here a rank memory-maps its file, so
-a partition larger than memory is never loaded at once.
+partition to local disk as an Arrow IPC stream (one file per rank); here a rank memory-maps its
+file, so a partition larger than memory is never loaded at once. The same file is what pyspark's
+``_get_spark_partition_data_loader`` reads on the same rank (code written for pyspark's
+``TorchDistributor._train_on_dataframe`` works unchanged), so using both reads the rows once
+from disk, never into memory twice.
 
 Equal steps: DDP hangs when ranks take different numbers of steps, and partitions rarely hold
 exactly the same number of rows. Every rank knows every rank's count (``rows_per_rank()``), so
@@ -45,8 +48,8 @@ def partition_table() -> Any:
     """This rank's rows as a ``pyarrow.Table``, memory-mapped from local disk."""
     import pyarrow as pa
 
-    with pa.memory_map(_partition_file(), "r") as source:
-        return pa.ipc.open_file(source).read_all()
+    # Batches read from a memory map point into it: the table costs no copy of the rows.
+    return pa.ipc.open_stream(pa.memory_map(_partition_file(), "r")).read_all()
 
 
 def rows_per_rank() -> list[int]:
@@ -129,7 +132,7 @@ class PartitionDataset:
     def _table(self) -> Any:
         import pyarrow as pa
 
-        return pa.ipc.open_file(pa.memory_map(self._path, "r")).read_all()
+        return pa.ipc.open_stream(pa.memory_map(self._path, "r")).read_all()
 
     def _chunks(self) -> tuple[list[list[Any]], list[int]]:
         # One mapping per process: DataLoader workers fork or spawn after construction.

@@ -1,9 +1,10 @@
-"""The launchers: ``Distributor`` and the pyspark drop-in ``TorchDistributor``.
+"""The launchers: ``Distributor``, and pyspark's ``TorchDistributor`` and its DeepSpeed kin.
 
-Both front one engine (``_launcher.launch``). ``TorchDistributor`` keeps pyspark's signature and
-defaults so swapping the import is enough, and differs where pyspark is wrong: ``run`` returns
-rank 0's value (pyspark's local mode returns whichever rank finished last) and raises
-``WorkerFailedError`` when a rank fails (pyspark reports a failing script as success).
+All front one engine (``_engine.launch``). The pyspark drop-ins (``_pyspark_compat``, re-exported
+here) keep pyspark's signatures, checks and attributes so swapping the import is enough, and
+differ where pyspark is wrong: ``run`` returns rank 0's value (pyspark's local mode returns
+whichever rank finished last) and raises ``WorkerFailedError`` when a rank fails (pyspark
+reports a failing script as success); docs/launching.md lists every difference.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from sparkdist._core.config import (
     build_config,
 )
 from sparkdist._core.errors import ConfigError, SparkdistError
-from sparkdist._core.placement import DEEPSPEED_IGNORE_SSL_KEY, TORCH_IGNORE_SSL_KEY
+from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
 from sparkdist._core.plan import LaunchPlan
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
@@ -239,67 +240,6 @@ class Distributor:
             raise for_the_user(error) from error.__cause__
 
 
-class TorchDistributor(Distributor):
-    """Drop-in for ``pyspark.ml.torch.distributor.TorchDistributor``.
-
-    Same constructor and defaults; ``run`` returns rank 0's value and raises when a rank fails.
-    Unlike pyspark's, local mode needs no SparkSession.
-
-    Example:
-        >>> from sparkdist import TorchDistributor
-        >>> TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
-        ...     "train.py", "--lr", "1e-3")  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        num_processes: int = 1,
-        local_mode: bool = True,
-        use_gpu: bool = True,
-        _ssl_conf: str = TORCH_IGNORE_SSL_KEY,
-    ) -> None:
-        super().__init__(num_processes, local_mode=local_mode, use_gpu=use_gpu)
-        self._ignore_ssl_key = _ssl_conf
-
-
-class DeepspeedTorchDistributor(Distributor):
-    """Drop-in for ``pyspark.ml.deepspeed.deepspeed_distributor.DeepspeedTorchDistributor``.
-
-    Runs ``numGpus * nnodes`` ranks in mode "deepspeed". ``deepspeedConfig`` (a dict or the path
-    of a JSON file) is checked on the driver, shipped to every rank as a file (removed after the
-    run), appended to a script's arguments as ``--deepspeed --deepspeed_config <path>`` (as
-    pyspark does), and, unlike pyspark, readable from a function too:
-    ``sparkdist.runtime.deepspeed_config()``. Without a GPU, ranks use DeepSpeed's CPU
-    accelerator (``DS_ACCELERATOR=cpu``) and gloo.
-
-    Example:
-        >>> from sparkdist import DeepspeedTorchDistributor
-        >>> DeepspeedTorchDistributor(numGpus=2, useGpu=False,
-        ...     deepspeedConfig="conf/deepspeed/zero2.json").run(train)  # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        numGpus: int = 1,
-        nnodes: int = 1,
-        localMode: bool = True,
-        useGpu: bool = True,
-        deepspeedConfig: Mapping[str, Any] | str | os.PathLike[str] | None = None,
-    ) -> None:
-        for name, value in (("numGpus", numGpus), ("nnodes", nnodes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        super().__init__(
-            numGpus * nnodes,
-            local_mode=localMode,
-            use_gpu=useGpu,
-            mode=Mode.DEEPSPEED,
-            deepspeed_config=deepspeedConfig,
-        )
-        self.deepspeed_config = deepspeedConfig
-        self._ignore_ssl_key = DEEPSPEED_IGNORE_SSL_KEY
-
-
 def make_job(train_object: TrainObject, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Job:
     """Turn ``run``'s arguments into a Job, refusing what cannot work before anything starts."""
     if isinstance(train_object, (str, os.PathLike)):
@@ -324,3 +264,10 @@ def make_job(train_object: TrainObject, args: tuple[Any, ...], kwargs: dict[str,
         f"train_object must be a callable or the path of a Python script, got "
         f"{type(train_object).__name__}"
     )
+
+
+# pyspark's launchers by pyspark's names live in a module of their own; they subclass
+# Distributor (above), so they are imported once it exists.
+from sparkdist._pyspark_compat import DeepspeedTorchDistributor, TorchDistributor  # noqa: E402
+
+__all__ = ["DeepspeedTorchDistributor", "Distributor", "TorchDistributor", "make_job"]

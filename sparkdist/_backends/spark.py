@@ -55,7 +55,7 @@ class SparkBackend:
         self.driver_host = ""
 
     def place(self, config: LaunchConfig) -> Placement:
-        conf = spark_driver.spark_conf(self.session)
+        conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
         for warning in check_cluster_conf(conf, self._ignore_ssl_key):
             _warn_once(warning)
         placement = place_on_cluster(config, conf)

@@ -14,7 +14,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sparkdist._backends.session import active_session as active_session
@@ -27,10 +27,12 @@ from sparkdist._core.placement import check_barrier_slots, estimate_barrier_slot
 
 logger = logging.getLogger("sparkdist")
 
-#: Conf keys sparkdist reads; a Connect session is asked for each (no getAll there).
+#: Conf keys sparkdist reads; each is asked of the session's runtime conf (``spark.conf``: what
+#: ``spark.conf.set`` changed, and on Connect the only conf there is).
 CONF_KEYS = (
     "spark.master",
     "spark.task.resource.gpu.amount",
+    "spark.driver.resource.gpu.amount",
     "spark.task.cpus",
     "spark.dynamicAllocation.enabled",
     "spark.ssl.enabled",
@@ -44,12 +46,22 @@ CONF_KEYS = (
 )
 
 
-def spark_conf(session: Any) -> dict[str, str]:
-    """The session's Spark conf as plain strings (on Connect: the keys sparkdist reads)."""
+def spark_conf(session: Any, keys: Sequence[str] = ()) -> dict[str, str]:
+    """The session's Spark conf as plain strings: the one place any mode reads it.
+
+    The runtime conf (``spark.conf``) wins, as pyspark reads it, so ``spark.conf.set(
+    "pytorch.spark.distributor.ignoreSsl", "true")`` counts; a classic session's start-up conf
+    (``sparkContext.getConf()``) fills in the rest. Connect has no start-up conf to list: there
+    the result holds ``CONF_KEYS`` and ``keys`` where set.
+
+    Args:
+        session: a classic or Spark Connect SparkSession.
+        keys: more keys to read from the runtime conf (a custom SSL opt-out key, say).
+    """
+    conf: dict[str, str] = {}
     if not is_connect(session):
-        return {str(k): str(v) for k, v in session.sparkContext.getConf().getAll()}
-    conf = {}
-    for key in CONF_KEYS:
+        conf = {str(k): str(v) for k, v in session.sparkContext.getConf().getAll()}
+    for key in dict.fromkeys((*CONF_KEYS, *keys)):
         value = session.conf.get(key, None)
         if value is not None:
             conf[key] = str(value)
@@ -74,7 +86,7 @@ def driver_host(session: Any) -> str:
     host's address. Executors that cannot reach it fall back to Spark's allGather.
     """
     if not is_connect(session):
-        return str(session.sparkContext.getConf().get("spark.driver.host", "127.0.0.1"))
+        return spark_conf(session).get("spark.driver.host", "127.0.0.1")
     chosen = os.environ.get(DRIVER_HOST_VAR) or os.environ.get("SPARK_LOCAL_IP")
     if chosen:
         return chosen
@@ -96,9 +108,10 @@ def wait_for_barrier_slots(
     """
     if is_connect(session):
         # Connect exposes no executor list: estimate from the conf, else let Spark check.
-        found = estimate_barrier_slots(spark_conf(session))
+        connect_conf = spark_conf(session)
+        found = estimate_barrier_slots(connect_conf)
         if found is not None:
-            check_barrier_slots(needed, found, spark_conf(session).get("spark.master", "?"))
+            check_barrier_slots(needed, found, connect_conf.get("spark.master", "?"))
         return needed if found is None else found
     jsc = session.sparkContext._jsc.sc()
     conf = spark_conf(session)

@@ -88,6 +88,9 @@ class BarrierStage:
     def _collect_arrow(self, frame: Any) -> list[bytes]:
         template, use_gpu = self._template, self._use_gpu
         has_data = self._dataframe is not None  # a plain value: the closure must not hold self
+        if has_data:
+            # Spark's own schema (ML vectors stay vectors): pyspark's loader reads it per rank.
+            template = dataclasses.replace(template, dataframe_schema_json=frame.schema.json())
 
         def arrow_task(batches: Iterator[Any]) -> Iterator[Any]:
             import pyarrow as pa

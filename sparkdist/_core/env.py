@@ -31,6 +31,10 @@ CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
 #: DataFrame input: this rank's Arrow IPC file, and every rank's row count (a JSON list).
 PARTITION_FILE_VAR = "SPARKDIST_PARTITION_FILE"
 ROWS_PER_RANK_VAR = "SPARKDIST_ROWS_PER_RANK"
+#: The same partition file, and the DataFrame's Spark schema (JSON), under the names pyspark's
+#: ``_get_spark_partition_data_loader`` reads.
+PYSPARK_PARTITION_FILE_VAR = "SPARK_PARTITION_ARROW_DATA_FILE"
+PYSPARK_SCHEMA_FILE_VAR = "SPARK_DATAFRAME_SCHEMA_FILE"
 
 #: Variables the launcher reads from the driver's (or the test session's) environment.
 #: ``off``: barrier tasks rendezvous through Spark's allGather, not the driver's channel.
@@ -101,6 +105,8 @@ LAUNCHER_VARS = frozenset(
         CHECKPOINT_DIR_VAR,
         PARTITION_FILE_VAR,
         ROWS_PER_RANK_VAR,
+        PYSPARK_PARTITION_FILE_VAR,
+        PYSPARK_SCHEMA_FILE_VAR,
         JOB_FILE_VAR,
         RESULT_DIR_VAR,
         CTRL_IN_VAR,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import ClusterError, ConfigError
@@ -94,6 +95,103 @@ def place_on_cluster(config: LaunchConfig, conf: Mapping[str, str]) -> Placement
     return Placement(num_tasks=n // gpus_per_task, processes_per_task=gpus_per_task, use_gpu=True)
 
 
+@dataclass(frozen=True)
+class PysparkCount:
+    """pyspark's constructor-time reading of the world (``TorchDistributor._get_num_tasks``).
+
+    Attributes:
+        num_processes: the world size, lowered to the driver's GPUs in local GPU mode.
+        num_tasks: Spark tasks pyspark's ``num_tasks`` attribute reports (the world size, or
+            the world size over ``spark.task.resource.gpu.amount``).
+        warning: set when ``num_processes`` was lowered: the line to log.
+    """
+
+    num_processes: Any
+    num_tasks: Any
+    warning: str | None = None
+
+
+def count_like_pyspark(
+    num_processes: Any,
+    *,
+    local_mode: bool,
+    use_gpu: bool,
+    conf: Mapping[str, str],
+    driver_gpus: Sequence[str] | None,
+) -> PysparkCount:
+    """What pyspark's ``TorchDistributor`` constructor decides, and refuses, from the conf.
+
+    pyspark checks the GPU conf when the distributor is made (before ``num_processes`` itself)
+    and raises ``RuntimeError``: here ``ClusterError`` (a ``RuntimeError``) with what to change.
+    A ``num_processes`` that is not a positive int passes through untouched: the launch config
+    refuses it next, as pyspark's own check comes after this one.
+
+    Args:
+        num_processes: the world size asked for.
+        local_mode: ranks on the driver (True) or on executors.
+        use_gpu: whether ranks bind GPUs.
+        conf: the session's Spark conf (runtime conf first); in local mode, empty unless the
+            driver's GPUs come from Spark (then ``spark.driver.resource.gpu.amount`` counts).
+        driver_gpus: the driver's GPU addresses (local mode), None when there are none.
+    """
+    n = num_processes
+    counted = isinstance(n, int) and not isinstance(n, bool)
+    if not use_gpu:
+        return PysparkCount(n, n)
+    if not local_mode:
+        raw = (conf.get(TASK_GPU_KEY) or "0").strip()
+        try:
+            amount = int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{TASK_GPU_KEY}={raw!r} is not a whole number (pyspark reads it as an int); "
+                f"set {TASK_GPU_KEY}=1 or pass use_gpu=False"
+            ) from None
+        if amount < 1:
+            raise ClusterError(
+                f"use_gpu=True but {TASK_GPU_KEY} is {'unset' if raw == '0' else raw}, so no "
+                f"task gets a GPU; set {TASK_GPU_KEY}=1 (and spark.executor.resource.gpu.amount "
+                "with a discovery script) or pass use_gpu=False"
+            )
+        if counted and amount > 1 and n % amount:
+            raise ClusterError(
+                f"num_processes={n} is not a multiple of {TASK_GPU_KEY}={amount}: each task "
+                f"runs one rank per GPU; pass num_processes as a multiple of {amount} or set "
+                f"{TASK_GPU_KEY}=1"
+            )
+        return PysparkCount(n, n // amount if counted else n)
+    if not driver_gpus:
+        raise ClusterError(
+            "use_gpu=True but no GPU is visible on the driver (no CUDA device, or "
+            f"{DRIVER_GPU_KEY} and its discovery script unset); pass use_gpu=False to train "
+            "on CPU with gloo"
+        )
+    available = len(driver_gpus)
+    driver_raw = conf.get(DRIVER_GPU_KEY)
+    if driver_raw is not None:
+        raw = driver_raw
+        try:
+            available = int(raw)
+        except ValueError:
+            raise ConfigError(
+                f"{DRIVER_GPU_KEY}={raw!r} is not a whole number; set it to the driver's GPU count"
+            ) from None
+        if available < 1:
+            raise ClusterError(
+                f"use_gpu=True but {DRIVER_GPU_KEY}={raw}: the driver's GPUs are not given to "
+                f"Spark; set {DRIVER_GPU_KEY} to their number or pass use_gpu=False"
+            )
+    if counted and n > available:
+        warning = (
+            f"num_processes={n} but the driver has {available} GPU(s) "
+            f"({', '.join(driver_gpus[:available])}); num_processes was lowered to {available} "
+            f"(as pyspark's TorchDistributor does); pass num_processes<={available} to silence "
+            "this"
+        )
+        return PysparkCount(available, available, warning)
+    return PysparkCount(n, n)
+
+
 def _task_gpu_amount(conf: Mapping[str, str], *, required: bool) -> int:
     raw = conf.get(TASK_GPU_KEY)
     if raw is None or raw.strip() == "":
@@ -135,17 +233,30 @@ def check_cluster_conf(conf: Mapping[str, str], ignore_ssl_key: str) -> list[str
             "cluster's ports can submit work to its executors; set spark.authenticate=true and "
             "spark.authenticate.secret (sparkdist's own channel is authenticated either way)"
         )
-    if _is_true(conf.get(SSL_KEY)):
-        if not _is_true(conf.get(ignore_ssl_key)):
-            raise ClusterError(
-                f"{SSL_KEY}=true, but the ranks' torch.distributed traffic is not encrypted; "
-                f"to run anyway set {ignore_ssl_key}=true in the Spark conf"
-            )
-        warnings.append(
-            f"{SSL_KEY}=true and {ignore_ssl_key}=true: model parameters and possibly "
-            "training data travel between nodes unencrypted"
-        )
+    ssl = check_ssl(conf, ignore_ssl_key)
+    if ssl is not None:
+        warnings.append(ssl)
     return warnings
+
+
+def check_ssl(conf: Mapping[str, str], ignore_ssl_key: str) -> str | None:
+    """Refuse SSL without the opt-out key (as pyspark does); with it, return the warning to log.
+
+    Raises:
+        ClusterError: ``spark.ssl.enabled=true`` and ``ignore_ssl_key`` is not true.
+    """
+    if not _is_true(conf.get(SSL_KEY)):
+        return None
+    if not _is_true(conf.get(ignore_ssl_key)):
+        raise ClusterError(
+            f"{SSL_KEY}=true, but the ranks' torch.distributed traffic is not encrypted; "
+            f"to run anyway set {ignore_ssl_key}=true in the Spark conf "
+            f'(spark.conf.set("{ignore_ssl_key}", "true") will do)'
+        )
+    return (
+        f"{SSL_KEY}=true and {ignore_ssl_key}=true: model parameters and possibly "
+        "training data travel between nodes unencrypted"
+    )
 
 
 def check_barrier_slots(needed: int, found: int, master: str) -> None:

@@ -27,6 +27,8 @@ from sparkdist._core.env import (
     DEEPSPEED_CONFIG_VAR,
     JOB_FILE_VAR,
     PARTITION_FILE_VAR,
+    PYSPARK_PARTITION_FILE_VAR,
+    PYSPARK_SCHEMA_FILE_VAR,
     RESULT_DIR_VAR,
     RUN_ID_VAR,
     START_TIMEOUT_VAR,
@@ -87,13 +89,15 @@ class RankHandle:
 
 
 def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
-    """What every rank of the node adds to its environment; writes the DeepSpeed config (if
-    any) into ``run_dir`` for them."""
+    """What every rank of the node adds to its environment; writes the DeepSpeed config and the
+    DataFrame's schema (if any) into ``run_dir`` for them."""
     extra = dict(spec.extra_env)
     if spec.deepspeed_config_json is not None:
         config_path = os.path.join(run_dir, "deepspeed_config.json")
         write_private_file(config_path, spec.deepspeed_config_json.encode())
         extra[DEEPSPEED_CONFIG_VAR] = config_path
+    if spec.dataframe_schema_json is not None:
+        extra[PYSPARK_SCHEMA_FILE_VAR] = write_schema(run_dir, spec.dataframe_schema_json)
     return extra
 
 
@@ -129,7 +133,10 @@ def spawn_rank(
     env[START_TIMEOUT_VAR] = str(spec.start_timeout_s)
     put_code_first(env, code_dir)
     if expects_data:
-        env[PARTITION_FILE_VAR] = partition_path(run_dir, seat.rank)
+        # One file, two readers: sparkdist.data and pyspark's partition loader.
+        env[PARTITION_FILE_VAR] = env[PYSPARK_PARTITION_FILE_VAR] = partition_path(
+            run_dir, seat.rank
+        )
     try:
         proc = start_rank(env, (cmd_read, note_write), shipped_code=code_dir)
     except BaseException:

@@ -44,6 +44,8 @@ class AgentSpec:
         job_file: a file on this node holding the pickled Job, used instead of ``job_bytes``
             (a large job, shipped with ``SparkContext.addFile``; see ``_captures``).
         system_metrics_interval_s: seconds between two system samples (``sampler``); 0: none.
+        dataframe_schema_json: with DataFrame input, its Spark schema as JSON, written into the
+            run directory for pyspark's partition loader (``SPARK_DATAFRAME_SCHEMA_FILE``).
     """
 
     run_id: str
@@ -67,4 +69,5 @@ class AgentSpec:
     requirements: tuple[Requirement, ...] = ()
     code_zip: bytes | None = None
     job_file: str | None = None
+    dataframe_schema_json: str | None = None
     system_metrics_interval_s: float = 0.0

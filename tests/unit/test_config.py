@@ -12,8 +12,10 @@ from sparkdist._core.config import LaunchConfig
 def test_num_processes_must_be_a_positive_int(n):
     with pytest.raises(ConfigError, match="num_processes must be a positive integer"):
         LaunchConfig(num_processes=n)
-    with pytest.raises(ValueError):  # pyspark raises ValueError here; so do we
-        TorchDistributor(num_processes=n)
+    # pyspark raises ValueError (TypeError for None and "2"); ours is both. 1.5 and True are
+    # refused here where pyspark takes them and fails in the run (docs/launching.md).
+    with pytest.raises(ValueError):
+        TorchDistributor(num_processes=n, use_gpu=False)
 
 
 @pytest.mark.parametrize(
@@ -39,10 +41,15 @@ def test_mode_parses_names_case_insensitively():
 
 
 def test_torch_distributor_keeps_pysparks_signature_and_defaults():
-    dist = TorchDistributor()
-    assert (dist.num_processes, dist.local_mode, dist.use_gpu) == (1, True, True)
-    dist = TorchDistributor(4, False, False)
-    assert (dist.num_processes, dist.local_mode, dist.use_gpu) == (4, False, False)
+    import inspect
+
+    defaults = {name: p.default for name, p in
+                inspect.signature(TorchDistributor).parameters.items()}
+    assert defaults == {"num_processes": 1, "local_mode": True, "use_gpu": True,
+                        "_ssl_conf": "pytorch.spark.distributor.ignoreSsl"}
+    dist = TorchDistributor(4, True, False)
+    assert (dist.num_processes, dist.local_mode, dist.use_gpu) == (4, True, False)
+    assert (dist.num_tasks, dist.input_params["num_tasks"]) == (4, 4)
 
 
 def test_distributor_options_beyond_the_first_are_keyword_only():

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from sparkdist import ClusterError, ConfigError
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import (
     Placement,
+    PysparkCount,
     check_barrier_slots,
     check_cluster_conf,
+    check_ssl,
+    count_like_pyspark,
     cuda_visible_devices,
     estimate_barrier_slots,
     place_local,
@@ -146,3 +151,99 @@ def test_non_local_master_without_authentication_warns_once():
 )
 def test_barrier_slots_estimated_from_conf(conf, slots):
     assert estimate_barrier_slots(conf) == slots
+
+
+# -- pyspark's constructor-time reading (TorchDistributor._get_num_tasks, observed) ------------
+
+DRIVER_GPU = "spark.driver.resource.gpu.amount"
+
+
+@pytest.mark.parametrize(
+    ("n", "local_mode", "use_gpu", "conf", "driver_gpus", "expected"),
+    [
+        # CPU: the world is the task count, whatever the conf says.
+        (3, False, False, {GPU: "2"}, None, PysparkCount(3, 3)),
+        (3, True, False, {}, None, PysparkCount(3, 3)),
+        # Cluster GPUs: tasks are ranks over the task's GPU amount.
+        (4, False, True, {GPU: "1"}, None, PysparkCount(4, 4)),
+        (4, False, True, {GPU: "2"}, None, PysparkCount(4, 2)),
+        (8, False, True, {GPU: "4"}, None, PysparkCount(8, 2)),
+        # A bad num_processes passes through: the launch config refuses it next.
+        ("4", False, True, {GPU: "2"}, None, PysparkCount("4", "4")),
+        # Local GPUs: as many ranks as the driver's GPUs, at most.
+        (2, True, True, {}, ["0", "1"], PysparkCount(2, 2)),
+        (2, True, True, {DRIVER_GPU: "2"}, ["0", "1"], PysparkCount(2, 2)),
+        (1, True, True, {DRIVER_GPU: "2"}, ["0", "1"], PysparkCount(1, 1)),
+    ],
+)
+def test_count_like_pyspark(n, local_mode, use_gpu, conf, driver_gpus, expected):
+    counted = count_like_pyspark(
+        n, local_mode=local_mode, use_gpu=use_gpu, conf=conf, driver_gpus=driver_gpus)
+    assert counted == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "conf", "driver_gpus", "lowered_to", "listed"),
+    [
+        (4, {}, ["0", "1"], 2, "(0, 1)"),
+        (3, {DRIVER_GPU: "1"}, ["0", "1"], 1, "(0)"),  # the runtime conf counts, as in pyspark
+    ],
+)
+def test_count_like_pyspark_lowers_local_ranks_to_the_drivers_gpus(
+        n, conf, driver_gpus, lowered_to, listed):
+    counted = count_like_pyspark(n, local_mode=True, use_gpu=True, conf=conf,
+                                 driver_gpus=driver_gpus)
+    assert (counted.num_processes, counted.num_tasks) == (lowered_to, lowered_to)
+    assert counted.warning is not None
+    assert f"num_processes={n} but the driver has {lowered_to} GPU(s) {listed}" in counted.warning
+    assert f"lowered to {lowered_to}" in counted.warning
+
+
+@pytest.mark.parametrize(
+    ("n", "local_mode", "conf", "driver_gpus", "error", "message"),
+    [
+        (2, False, {}, None, ClusterError, f"{GPU} is unset, so no task gets a GPU; set {GPU}=1"),
+        (2, False, {GPU: "0"}, None, ClusterError, f"{GPU} is unset"),
+        (2, False, {GPU: "-1"}, None, ClusterError, f"{GPU} is -1"),
+        (3, False, {GPU: "2"}, None, ClusterError, f"num_processes=3 is not a multiple of {GPU}=2"),
+        (-1, False, {GPU: "2"}, None, ClusterError, "num_processes=-1 is not a multiple"),
+        (2, False, {GPU: "1.5"}, None, ConfigError, f"{GPU}='1.5' is not a whole number"),
+        (2, False, {GPU: "1.0"}, None, ConfigError, "pyspark reads it as an int"),
+        (2, True, {}, None, ClusterError, "no GPU is visible on the driver"),
+        (2, True, {}, [], ClusterError, "pass use_gpu=False"),
+        (2, True, {DRIVER_GPU: "0"}, ["0"], ClusterError, f"{DRIVER_GPU}=0: the driver's GPUs"),
+        (2, True, {DRIVER_GPU: "x"}, ["0"], ConfigError, f"{DRIVER_GPU}='x' is not a whole"),
+    ],
+)
+def test_count_like_pyspark_refuses_what_pyspark_refuses(
+        n, local_mode, conf, driver_gpus, error, message):
+    with pytest.raises(error, match=re.escape(message)) as info:
+        count_like_pyspark(n, local_mode=local_mode, use_gpu=True, conf=conf,
+                           driver_gpus=driver_gpus)
+    # pyspark raises RuntimeError where the conf misses GPUs, ValueError where int() fails.
+    assert isinstance(info.value, RuntimeError if error is ClusterError else ValueError)
+
+
+@pytest.mark.parametrize(
+    ("conf", "warned"),
+    [
+        ({}, False),
+        ({"spark.ssl.enabled": "false"}, False),
+        ({"spark.ssl.enabled": "true", "my.key": "true"}, True),
+        ({"spark.ssl.enabled": "TRUE", "my.key": "True"}, True),
+    ],
+)
+def test_check_ssl_warns_when_opted_out(conf, warned):
+    warning = check_ssl(conf, "my.key")
+    assert (warning is not None) == warned
+    if warned:
+        assert "my.key=true" in warning and "unencrypted" in warning
+
+
+@pytest.mark.parametrize("opt_out", [None, "false"])
+def test_check_ssl_refuses_without_the_opt_out_and_names_it(opt_out):
+    conf = {"spark.ssl.enabled": "true"}
+    if opt_out is not None:
+        conf["my.key"] = opt_out
+    with pytest.raises(ClusterError, match=r'spark.conf.set\("my.key", "true"\)'):
+        check_ssl(conf, "my.key")
