@@ -14,13 +14,25 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RankTimeline, SystemSample
 from sparkdist._core.stragglers import RateSpread, StragglerEvent, StragglerWatch, Straggling
+from sparkdist._wire.payload import Outcome
 from sparkdist._wire.protocol import Report, Sample
+
+
+def spawn_timeline(outcomes: Sequence[Outcome], processes_per_task: int) -> list[RankTimeline]:
+    """Each rank's spawn and exit as its agent saw them (``RunWatch.timeline`` adds its steps)."""
+    return [
+        RankTimeline(
+            o.rank, o.rank // processes_per_task, o.host, o.ended_at - o.wall_time_s, o.ended_at
+        )
+        for o in outcomes
+    ]
+
 
 #: Samples kept for ``RunResult`` (the oldest go first): a week of one node at 10 s, or a
 #: day of seven.
