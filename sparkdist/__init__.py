@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
     from sparkdist._core.errors import WorkerFailedError as WorkerFailedError
     from sparkdist._core.gpu_type import GPUType as GPUType
     from sparkdist._core.result import RunResult as RunResult
+    from sparkdist._engine.handle import DistributedRun as DistributedRun
     from sparkdist.decorator import distributed as distributed
     from sparkdist.distributor import DeepspeedTorchDistributor as DeepspeedTorchDistributor
     from sparkdist.distributor import Distributor as Distributor
@@ -40,6 +41,7 @@ _HOMES = {
     "ConfigError": "sparkdist._core.errors",
     "ConfigTypeError": "sparkdist._core.errors",
     "DeepspeedTorchDistributor": "sparkdist.distributor",
+    "DistributedRun": "sparkdist._engine.handle",
     "Distributor": "sparkdist.distributor",
     "GPUType": "sparkdist._core.gpu_type",
     "Mode": "sparkdist._core.config",
@@ -58,6 +60,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "DeepspeedTorchDistributor",
+    "DistributedRun",
     "Distributor",
     "GPUType",
     "Mode",

@@ -8,8 +8,9 @@ Code written for the serverless API runs here by changing only the imports::
 ``@distributed(gpus=N, ...)`` turns a function into a ``DistributedFunction``: calling it still
 runs the function in this process, as rank 0 of a world of one; ``.distributed(...)`` runs it on
 N ranks and returns every rank's value; ``.distributed_async(...)`` starts the same run and hands
-back a ``DistributedRun`` at once, for sweeps. Both go through the engine behind ``Distributor``, so
-failures (``WorkerFailedError``), output streaming and cleanup are the same.
+back a ``DistributedRun`` at once, for sweeps (the handle ``Distributor.run_async`` returns too).
+Both go through the engine behind ``Distributor``, so failures (``WorkerFailedError``), output
+streaming and cleanup are the same.
 
 Non-goals: provisioning GPUs (the driver or the Spark cluster has them), snapshotting pip
 environments, MLflow system metrics, Ray (``@ray_launch``), decorating methods.
@@ -42,6 +43,7 @@ from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
 from sparkdist._core.gpu_type import GPUType
 from sparkdist._core.placement import TASK_GPU_KEY
 from sparkdist._core.tracebacks import for_the_user
+from sparkdist._engine.handle import DistributedRun, every_value
 from sparkdist._engine.launch import Launch
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist.distributor import make_job
@@ -255,21 +257,23 @@ class DistributedFunction(Generic[P, R]):
             # The message says what failed, the cause stays; our own frames would bury both.
             raise for_the_user(error) from error.__cause__
 
-    def distributed_async(self, *args: P.args, **kwargs: P.kwargs) -> DistributedRun[R]:
+    def distributed_async(self, *args: P.args, **kwargs: P.kwargs) -> DistributedRun[list[R]]:
         """Start the function on every rank and return at once, for sweeps and side-by-side runs.
 
         Anything that can fail before a rank starts raises here, as in ``distributed``; what
         happens after that is reported by the handle's ``result``.
 
         Returns:
-            A ``DistributedRun``: ``result(timeout=None)`` waits for the list of values by
-            rank, ``done()`` polls, ``cancel()`` stops every rank.
+            A ``DistributedRun`` (the handle ``Distributor.run_async`` returns too):
+            ``result(timeout=None)`` waits for the list of values by rank, ``run_result()``
+            for the whole ``RunResult``, ``done()`` polls, ``cancel()`` stops every rank,
+            ``mlflow_run_id`` names the run's MLflow run.
 
         Example:
             >>> runs = [train.distributed_async(lr=lr) for lr in (0.1, 0.01)]  # doctest: +SKIP
             >>> [run.result()[0] for run in runs]  # doctest: +SKIP
         """
-        return DistributedRun(self._start(args, kwargs))
+        return DistributedRun(self._start(args, kwargs), every_value)
 
     def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
         launch = Launch(self.config, make_job(self.__wrapped__, args, kwargs), session=self.spark)
@@ -309,59 +313,6 @@ class DistributedFunction(Generic[P, R]):
         # By value: the plain function (cloudpickle ships its code) and the frozen config. The
         # SparkSession is a live handle to this driver's JVM and stays behind.
         return (_rebuild, (self.__wrapped__, self.config))
-
-
-class DistributedRun(Generic[R]):
-    """A launch started by ``DistributedFunction.distributed_async``.
-
-    Example:
-        >>> run = train.distributed_async(lr=0.1)  # doctest: +SKIP
-        >>> run.done()  # doctest: +SKIP
-        False
-        >>> run.cancel()  # stops every rank and waits until they are gone  # doctest: +SKIP
-        True
-    """
-
-    def __init__(self, launch: Launch) -> None:
-        self._launch = launch
-
-    @property
-    def run_id(self) -> str:
-        """The run's id (each rank's ``TORCHELASTIC_RUN_ID``)."""
-        return self._launch.run_id
-
-    def result(self, timeout: float | None = None) -> list[R]:
-        """Wait for the run and return every rank's value, indexed by global rank.
-
-        Args:
-            timeout: seconds to wait, or None to wait for the end of the run.
-
-        Raises:
-            TimeoutError: ``timeout`` passed and the run goes on (``RunTimeoutError``, a
-                subclass, means the run itself exceeded ``timeout_s`` and was stopped).
-            concurrent.futures.CancelledError: the run was cancelled.
-            WorkerFailedError, RendezvousError, RunTimeoutError: as ``distributed`` raises.
-        """
-        try:
-            return list(self._launch.result(timeout).values)
-        except SparkdistError as error:
-            raise for_the_user(error) from error.__cause__  # as ``distributed`` raises it
-
-    def done(self) -> bool:
-        """True once the run has ended (every rank has exited), however it ended."""
-        return self._launch.done()
-
-    def cancel(self) -> bool:
-        """Stop every rank and wait until they are gone.
-
-        Returns:
-            True if this stopped the run, False if it had already ended.
-        """
-        return self._launch.cancel("the run was cancelled from its DistributedRun handle")
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "running"
-        return f"<DistributedRun {self.run_id} {state}>"
 
 
 #: torchrun's variables for a world of one, set around a plain call. MASTER_PORT=0: the only

@@ -30,7 +30,8 @@ from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
 from sparkdist._core.plan import LaunchPlan
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
-from sparkdist._engine.launch import launch, prepare
+from sparkdist._engine.handle import DistributedRun, rank0_value
+from sparkdist._engine.launch import Launch, launch, prepare
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
@@ -211,6 +212,44 @@ class Distributor:
         except SparkdistError as error:
             # The message says what failed, the cause stays; our own frames would bury both.
             raise for_the_user(error) from error.__cause__
+
+    def run_async(
+        self,
+        train_object: TrainObject,
+        *args: Any,
+        spark_dataframe: Any | None = None,
+        **kwargs: Any,
+    ) -> DistributedRun[Any]:
+        """Start ``train_object`` on every rank and return at once: ``run`` without the wait.
+
+        Takes what ``run`` takes. Anything that can fail before a rank starts raises here, as
+        in ``run``; what happens after that is reported by the handle. The handle is the one
+        ``@distributed``'s ``distributed_async`` returns, so sweeps read the same with either.
+
+        Returns:
+            A ``DistributedRun``: ``result(timeout=None)`` waits and returns what ``run`` would
+            (rank 0's value), ``run_result()`` the whole ``RunResult`` (every rank's value, as
+            ``run_all``), ``done()`` polls, ``cancel()`` stops every rank and everything they
+            started, ``mlflow_run_id`` names the run's MLflow run.
+
+        Raises:
+            ConfigError, ClusterError: before any rank starts, as ``run`` raises them.
+
+        Example:
+            >>> runs = [Distributor(2).run_async(train, lr) for lr in (0.1, 0.01)]  # doctest: +SKIP
+            >>> [run.result(timeout=600) for run in runs]  # rank 0's values  # doctest: +SKIP
+        """
+        try:
+            started = Launch(
+                self.config,
+                make_job(train_object, args, kwargs),
+                session=self.spark,
+                ignore_ssl_key=self._ignore_ssl_key,
+                dataframe=spark_dataframe,
+            )
+        except SparkdistError as error:
+            raise for_the_user(error) from error.__cause__  # as ``run`` raises it
+        return DistributedRun(started, rank0_value)
 
     def _train_on_dataframe(
         self,

@@ -1,8 +1,10 @@
 """Helpers to call inside a rank: where am I in the world?
 
 The names are those of Databricks' serverless GPU API, so code written for it runs unchanged.
-They read torchrun's environment, so they also answer correctly under plain torchrun; outside
-any launcher they describe a world of one (rank 0, size 1, main process).
+They read torchrun's environment first (the launcher's variables take precedence), so they also
+answer correctly under plain torchrun; without those variables the rank and world size come
+from ``torch.distributed`` when a process group is up (``mp.spawn``-style code), and outside any
+launcher they describe a world of one (rank 0, size 1, main process).
 
 Example:
     >>> from sparkdist import runtime
@@ -19,6 +21,7 @@ import math
 import os
 import pickle
 import re
+import sys
 import zipfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +31,7 @@ from sparkdist._core.files import replace_atomically
 
 if TYPE_CHECKING:  # torch is only imported by the helpers that need it
     import torch
+    from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
     "get_local_rank",
     "get_local_world_size",
     "get_node_rank",
+    "get_replica_rank",
     "get_world_size",
     "heartbeat",
     "is_main_process",
@@ -63,9 +68,67 @@ def _int_env(name: str, default: int) -> int:
         return default
 
 
-def get_global_rank() -> int:
-    """This process's rank in the whole world (0 outside a rank)."""
-    return _int_env("RANK", 0)
+def get_global_rank(group: ProcessGroup | None = None) -> int:
+    """This process's rank in the whole world, or in ``group``.
+
+    Without a group: ``RANK`` (set by sparkdist and by torchrun) when it is set, else
+    ``torch.distributed.get_rank()`` when a default process group is up, else 0.
+
+    Args:
+        group: a ``torch.distributed`` process group (``dist.new_group(...)``,
+            ``mesh.get_group("shard")``): the rank within that group, in
+            ``[0, group size - 1]``, or -1 when this process is not a member (as
+            ``torch.distributed.get_rank`` answers).
+
+    Returns:
+        The rank.
+
+    Raises:
+        RuntimeError: a group was given but no process group is up in this process.
+        TypeError: ``group`` is a ``DeviceMesh`` rather than one of its groups.
+
+    Example:
+        >>> runtime.get_global_rank()  # outside a rank
+        0
+        >>> pair = dist.new_group([2, 3])  # every rank calls it  # doctest: +SKIP
+        >>> runtime.get_global_rank(pair)  # 0 on rank 2, 1 on 3, -1 elsewhere  # doctest: +SKIP
+    """
+    if group is None:
+        return _env_or_torch("RANK", "get_rank", 0)
+    if hasattr(group, "get_group") and hasattr(group, "mesh_dim_names"):
+        raise TypeError(
+            "runtime.get_global_rank(group=...) takes a process group, got a DeviceMesh; pass "
+            'one of its dimensions\' groups, e.g. mesh.get_group("shard")'
+        )
+    dist = _initialized_dist()
+    if dist is None:
+        raise RuntimeError(
+            "runtime.get_global_rank(group=...) needs a torch.distributed process group, and "
+            "none is up in this process: call torch.distributed.init_process_group() first, or "
+            "call get_global_rank() without a group for the rank in the whole world"
+        )
+    return int(dist.get_rank(group))
+
+
+def get_replica_rank() -> int:
+    """Which data-parallel replica this rank belongs to.
+
+    Under the 2-D mesh ``("replicate", "shard")`` that ``device_mesh(replicas=r)`` built, it is
+    the rank's index along "replicate" (``0 .. r - 1``: the ranks of one replica shard one copy
+    of the model between them); under the 1-D mesh ``device_mesh()`` built (plain FSDP: one
+    replica, sharded over every rank), 0. Without such a mesh every rank holds a whole replica
+    (DDP), so it equals ``get_global_rank()``. The latest mesh ``device_mesh`` built in this
+    process counts, while the process group it was built on is up.
+
+    Example:
+        >>> runtime.get_replica_rank()  # outside a rank, no mesh
+        0
+        >>> mesh = runtime.device_mesh(replicas=2)  # 8 ranks: 0-3 and 4-7  # doctest: +SKIP
+        >>> runtime.get_replica_rank()  # on rank 5  # doctest: +SKIP
+        1
+    """
+    recorded = _mesh_replica_rank()
+    return get_global_rank() if recorded is None else recorded
 
 
 def get_local_rank() -> int:
@@ -74,8 +137,9 @@ def get_local_rank() -> int:
 
 
 def get_world_size() -> int:
-    """Number of ranks in the run (1 outside a rank)."""
-    return _int_env("WORLD_SIZE", 1)
+    """Number of ranks in the run: ``WORLD_SIZE`` when it is set, else the default process
+    group's size when one is up, else 1."""
+    return _env_or_torch("WORLD_SIZE", "get_world_size", 1)
 
 
 def get_local_world_size() -> int:
@@ -86,6 +150,25 @@ def get_local_world_size() -> int:
 def get_node_rank() -> int:
     """Index of this node (Spark barrier task) in the run (0 outside a rank)."""
     return _int_env("NODE_RANK", _int_env("GROUP_RANK", 0))
+
+
+def _initialized_dist() -> Any:
+    """``torch.distributed`` if this process already imported it and has a default process
+    group up; else None (never imports torch: that costs seconds, and nothing can be up)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist
+
+
+def _env_or_torch(name: str, question: str, default: int) -> int:
+    """The launcher's variable ``name`` when it is set (an integer); else
+    ``torch.distributed.<question>()`` when a default process group is up; else ``default``."""
+    value = _int_env(name, -1)
+    if value >= 0:
+        return value
+    dist = _initialized_dist()
+    return default if dist is None else int(getattr(dist, question)())
 
 
 def is_main_process() -> bool:
@@ -126,35 +209,84 @@ def device() -> torch.device:
 
 
 def device_mesh(replicas: int = 1) -> DeviceMesh:
-    """A device mesh for FSDP2 (call after ``init_process_group``).
+    """A device mesh for FSDP2 (call after ``init_process_group``), as ``init_device_mesh``.
 
     ``replicas=1`` gives the 1-D mesh ("shard",) over all ranks: plain FSDP. ``replicas=r > 1``
     gives the 2-D mesh ("replicate", "shard") of shape (r, world_size // r) for HSDP:
-    parameters are sharded within each group of world_size // r ranks (typically one node) and
-    replicated across the r groups.
+    parameters are sharded within each group of world_size // r consecutive ranks (typically
+    one node) and replicated across the r groups. ``get_replica_rank()`` then tells which of
+    the r replicas this rank belongs to. Every rank must call it (it creates process groups).
+
+    Args:
+        replicas: the number of model replicas; a divisor of the world size.
+
+    Returns:
+        The ``torch.distributed.device_mesh.DeviceMesh``.
+
+    Raises:
+        ValueError: ``replicas`` does not divide the world size.
 
     Example:
         >>> from torch.distributed.fsdp import fully_shard  # doctest: +SKIP
         >>> fully_shard(model, mesh=runtime.device_mesh())  # doctest: +SKIP
-
-    Raises:
-        ValueError: ``replicas`` does not divide the world size.
+        >>> nodes = runtime.get_world_size() // runtime.get_local_world_size()  # doctest: +SKIP
+        >>> fully_shard(model, mesh=runtime.device_mesh(replicas=nodes))  # HSDP  # doctest: +SKIP
     """
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    global _mesh_replicas
     world = get_world_size()
-    if replicas < 1 or world % replicas:
+    shard = _shard_size(world, replicas)
+    device_type = "cuda" if _uses_cuda() else "cpu"
+    if replicas == 1:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+    else:
+        mesh = init_device_mesh(
+            device_type, (replicas, shard), mesh_dim_names=("replicate", "shard")
+        )
+    # Remembered with the default group it was built on: a mesh of a group since destroyed (a
+    # plain call of a decorated function ends its group) says nothing about the next one.
+    _mesh_replicas = (dist.group.WORLD, _replica_rank_of(get_global_rank(), world, replicas))
+    return mesh
+
+
+#: The default process group ``device_mesh`` last built a mesh on, and this rank's replica there.
+_mesh_replicas: tuple[object, int] | None = None
+
+
+def _mesh_replica_rank() -> int | None:
+    recorded = _mesh_replicas
+    if recorded is None:
+        return None
+    dist = _initialized_dist()
+    if dist is None or dist.group.WORLD is not recorded[0]:
+        return None
+    return recorded[1]
+
+
+def _shard_size(world_size: int, replicas: int) -> int:
+    """Ranks per replica when ``world_size`` ranks hold ``replicas`` replicas of a model.
+
+    Raises:
+        ValueError: ``replicas`` is not a positive divisor of ``world_size``.
+    """
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise ValueError(f"replicas must be an integer, got {type(replicas).__name__} {replicas!r}")
+    if replicas < 1 or world_size % replicas:
         raise ValueError(
-            f"replicas={replicas} must be a positive divisor of the world size ({world}); "
+            f"replicas={replicas} must be a positive divisor of the world size ({world_size}); "
             "for HSDP use the number of nodes, e.g. replicas=get_world_size() // "
             "get_local_world_size()"
         )
-    device_type = "cuda" if _uses_cuda() else "cpu"
-    if replicas == 1:
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
-    return init_device_mesh(
-        device_type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
-    )
+    return world_size // replicas
+
+
+def _replica_rank_of(rank: int, world_size: int, replicas: int) -> int:
+    """The replica global rank ``rank`` belongs to under ``device_mesh(replicas)``: 0 for the
+    1-D mesh, else its row of the (replicas, world_size // replicas) mesh (row-major, as
+    ``init_device_mesh`` lays ranks out)."""
+    return 0 if replicas == 1 else rank // _shard_size(world_size, replicas)
 
 
 def deepspeed_config_path() -> str | None:

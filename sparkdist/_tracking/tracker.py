@@ -56,6 +56,11 @@ class RunTracker:
             else None
         )
 
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The launch's MLflow run, once it exists (before any rank's rendezvous); else None."""
+        return None if self._mlflow is None else self._mlflow.mlflow_run_id
+
     def attach(self, monitor: AttemptHooks) -> None:
         """Wire one attempt's monitor: reports come here, its rendezvous waits for MLflow."""
         monitor.on_report = self.on_report
