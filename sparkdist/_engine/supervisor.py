@@ -99,9 +99,8 @@ class RunMonitor:
         self.refusals: list[Refusal] = []
         self.failure_codes: dict[int, int] = {}
         self.stage_cancel_due = False
-        # Set by the launch's tracker: where runtime.report() messages and system samples go
-        # (called on a channel thread, so it must be cheap), and a context around each rank
-        # line printed (a live progress bar steps aside for it).
+        # Set by the tracker: where reports and system samples go (on a channel thread: cheap),
+        # and a context around each rank line printed (a live progress bar steps aside for it).
         self.on_report: Callable[[protocol.Report | protocol.Sample], None] | None = None
         self.output_guard: Callable[[], contextlib.AbstractContextManager[Any]] = (
             contextlib.nullcontext
