@@ -20,6 +20,9 @@ JSON line per figure and a table. Usage (see benchmarks/README.md)::
 The timed launches come after a warm-up, so they show each launcher's steady, warm cost (for
 sparkdist: its pool of pre-started workers); ``warmup`` is the session's first launch.
 
+With the local mode, the table is followed by ``launch_phases.py``'s breakdown of a warm local
+launch of 2 and of 8 ranks (``--no-phases`` skips it): where sparkdist's milliseconds go.
+
 Non-goals: scaling, steady-state training or result-size figures (other benchmarks).
 """
 
@@ -55,6 +58,9 @@ MODES: dict[str, tuple[str, str | None, bool]] = {
 }
 DEFAULT_RUNS, QUICK_RUNS = 5, 2
 DEFAULT_FAILURE_TIMEOUT_S, QUICK_FAILURE_TIMEOUT_S = 180.0, 90.0
+#: Rank counts of the phase breakdown printed after the table (``launch_phases.py``), and the
+#: fewest warm runs it takes the median of.
+PHASE_RANKS, PHASE_MIN_RUNS = (2, 8), 5
 #: Temp names must not start with "sparkdist-": the test suite counts those as leaked run dirs.
 TEMP_PREFIX = "bench-launch-"
 
@@ -377,6 +383,28 @@ def report_leftovers(scratch: Path) -> dict[str, int]:
     return leftovers
 
 
+def phase_tables(runs: int, scratch: Path) -> list[str]:
+    """``launch_phases.py``'s breakdown of one warm local launch (``PHASE_RANKS`` ranks), each
+    in a fresh driver process: where sparkdist's part of the figures above goes."""
+    tables = []
+    script = Path(__file__).with_name("launch_phases.py")
+    for ranks in PHASE_RANKS:
+        progress(f"phases: a warm local launch of {ranks} ranks, taken apart")
+        command = [sys.executable, str(script), "--ranks", str(ranks), "--runs", str(runs)]
+        try:
+            done = subprocess.run(
+                command, capture_output=True, text=True, cwd=scratch, timeout=600, check=False
+            )
+        except subprocess.TimeoutExpired:
+            tables.append(f"launch_phases.py --ranks {ranks}: ran out of time")
+            continue
+        if done.returncode != 0:
+            tables.append(f"launch_phases.py --ranks {ranks} failed:\n{done.stderr[-2000:]}")
+        else:
+            tables.append(done.stdout.strip())
+    return tables
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument(
@@ -412,6 +440,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="DIR",
         help="copy each Spark child's output (rank lines, Spark logs) into DIR",
     )
+    parser.add_argument(
+        "--no-phases",
+        dest="phases",
+        action="store_false",
+        help="skip the phase breakdown of warm local launches (launch_phases.py), which "
+        "runs with the local mode",
+    )
     parser.add_argument("--child", metavar="MASTER", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -442,6 +477,11 @@ def main(argv: list[str]) -> None:
         scratch.mkdir()
         os.environ["TMPDIR"] = str(scratch)
         figures = collect(args, Path(workdir), scratch)
+        phases = (
+            phase_tables(max(args.runs, PHASE_MIN_RUNS), scratch)
+            if args.phases and "local" in args.modes
+            else []
+        )
         leftovers = report_leftovers(scratch)
     records = [f.to_record() for f in figures] + ratio_records(figures)
     records.append(machine_record(load_before, time.monotonic() - started, leftovers))
@@ -449,6 +489,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(record))
     print()
     print(format_table(figures), flush=True)
+    for table in phases:
+        print(table, flush=True)
 
 
 if __name__ == "__main__":
