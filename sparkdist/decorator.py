@@ -13,7 +13,8 @@ Both go through the engine behind ``Distributor``, so failures (``WorkerFailedEr
 streaming and cleanup are the same.
 
 Non-goals: provisioning GPUs (the driver or the Spark cluster has them), snapshotting pip
-environments, MLflow system metrics, Ray (``@ray_launch``), decorating methods.
+environments (the launch's system metrics are ``system_metrics_interval_s``'s), Ray
+(``@ray_launch``), decorating methods.
 """
 
 from __future__ import annotations
