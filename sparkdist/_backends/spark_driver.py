@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -60,12 +61,25 @@ def spark_conf(session: Any, keys: Sequence[str] = ()) -> dict[str, str]:
     """
     conf: dict[str, str] = {}
     if not is_connect(session):
-        conf = {str(k): str(v) for k, v in session.sparkContext.getConf().getAll()}
+        conf = _startup_conf(session.sparkContext)
     for key in dict.fromkeys((*CONF_KEYS, *keys)):
         value = session.conf.get(key, None)
         if value is not None:
             conf[key] = str(value)
     return conf
+
+
+#: Each live SparkContext's start-up conf. Spark fixes it when the context starts, and reading
+#: it costs a Py4J round trip per entry: hundreds per launch, over 100 ms on a loaded machine.
+_startup_confs: weakref.WeakKeyDictionary[Any, dict[str, str]] = weakref.WeakKeyDictionary()
+
+
+def _startup_conf(context: Any) -> dict[str, str]:
+    conf = _startup_confs.get(context)
+    if conf is None:
+        conf = {str(k): str(v) for k, v in context.getConf().getAll()}
+        _startup_confs[context] = conf
+    return dict(conf)
 
 
 def driver_gpu_addresses(session: Any | None) -> list[str] | None:

@@ -8,6 +8,7 @@ from sparkdist import ClusterError
 from sparkdist._backends.spark_driver import (
     barrier_slots_error,
     expected_executors,
+    spark_conf,
     wait_for_barrier_slots,
 )
 
@@ -141,3 +142,29 @@ def test_a_cluster_whose_executors_do_not_all_come_fails_after_the_wait():
     cluster.conf["spark.executor.instances"] = "2"
     with pytest.raises(ClusterError, match=r"offers 1: 1 of 2 executors registered after 0\.\d s"):
         wait_for_barrier_slots(cluster, 2, wait_s=0.5)
+
+
+class CountingSession:
+    """A classic session stand-in that counts reads of its context's start-up conf."""
+
+    def __init__(self, startup: dict[str, str], runtime: dict[str, str]) -> None:
+        self.startup, self.conf, self.reads = startup, runtime, 0
+        self.sparkContext = self
+
+    def getConf(self):  # noqa: N802 - pyspark's name
+        self.reads += 1
+        return self
+
+    def getAll(self):  # noqa: N802 - pyspark's name
+        return list(self.startup.items())
+
+
+def test_the_startup_conf_is_read_once_per_context_and_the_runtime_conf_every_time():
+    session = CountingSession({"spark.master": "local[2]", "spark.task.cpus": "1"}, {})
+    assert spark_conf(session)["spark.task.cpus"] == "1"
+    session.conf["spark.task.cpus"] = "2"  # spark.conf.set after start: it counts
+    assert spark_conf(session)["spark.task.cpus"] == "2"
+    assert spark_conf(session)["spark.master"] == "local[2]"
+    assert session.reads == 1  # hundreds of Py4J round trips on a real context, once
+    other = CountingSession({"spark.master": "local[4]"}, {})  # a new context: read again
+    assert spark_conf(other)["spark.master"] == "local[4]" and other.reads == 1
