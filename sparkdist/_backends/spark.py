@@ -60,9 +60,9 @@ class SparkBackend:
             _warn_once(warning)
         placement = place_on_cluster(config, conf)
         spark_driver.wait_for_barrier_slots(
-            self.session, placement.num_tasks, config.start_timeout_s
+            self.session, placement.num_tasks, config.start_timeout_s, conf
         )
-        self.driver_host = spark_driver.driver_host(self.session)
+        self.driver_host = spark_driver.driver_host(self.session, conf)
         return placement
 
     def requirements(

@@ -92,7 +92,7 @@ def driver_gpu_addresses(session: Any | None) -> list[str] | None:
     return list(gpu.addresses) if gpu is not None else None
 
 
-def driver_host(session: Any) -> str:
+def driver_host(session: Any, conf: Mapping[str, str] | None = None) -> str:
     """The address executors reach this process at, for the control channel.
 
     Classic: Spark's own driver address. Connect: this client process is not Spark's driver;
@@ -100,7 +100,7 @@ def driver_host(session: Any) -> str:
     host's address. Executors that cannot reach it fall back to Spark's allGather.
     """
     if not is_connect(session):
-        return spark_conf(session).get("spark.driver.host", "127.0.0.1")
+        return (spark_conf(session) if conf is None else conf).get("spark.driver.host", "127.0.0.1")
     chosen = os.environ.get(DRIVER_HOST_VAR) or os.environ.get("SPARK_LOCAL_IP")
     if chosen:
         return chosen
@@ -111,7 +111,10 @@ def driver_host(session: Any) -> str:
 
 
 def wait_for_barrier_slots(
-    session: Any, needed: int, wait_s: float = DEFAULT_START_TIMEOUT_S
+    session: Any,
+    needed: int,
+    wait_s: float = DEFAULT_START_TIMEOUT_S,
+    conf: Mapping[str, str] | None = None,
 ) -> int:
     """Return the cluster's barrier slots once there are enough, or raise ClusterError.
 
@@ -128,7 +131,7 @@ def wait_for_barrier_slots(
             check_barrier_slots(needed, found, connect_conf.get("spark.master", "?"))
         return needed if found is None else found
     jsc = session.sparkContext._jsc.sc()
-    conf = spark_conf(session)
+    conf = spark_conf(session) if conf is None else conf  # the caller's read of it, if any
     expected = expected_executors(conf)
     started = time.monotonic()
     said_waiting = False
