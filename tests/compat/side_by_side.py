@@ -8,6 +8,7 @@ logged on the class's logger, and the public attributes pyspark's instances carr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ class Observed:
     attributes: dict[str, Any] = field(default_factory=dict)
     session: Any = None
     logger_name: str | None = None
+    seconds: float = 0.0  # the whole case: shown by ``--durations``-style debugging only
 
 
 class _Collect(logging.Handler):
@@ -57,6 +59,7 @@ def observe(cls: type, kwargs: dict[str, Any],
             run: Callable[[Any], Any] | None = None) -> Observed:
     """Make ``cls(**kwargs)``, then (if given) ``run(instance)``; record what a user sees."""
     seen = Observed()
+    started = time.monotonic()
     handler = _Collect()
     logger = logging.getLogger(cls.__name__)  # both libraries log on the class's name
     logger.addHandler(handler)
@@ -78,14 +81,17 @@ def observe(cls: type, kwargs: dict[str, Any],
     finally:
         logger.removeHandler(handler)
         seen.warnings = handler.messages
+        seen.seconds = time.monotonic() - started
     return seen
 
 
 def both(name: str, kwargs: dict[str, Any],
          run: Callable[[Any], Any] | None = None) -> tuple[Observed, Observed]:
     """The case against pyspark's class ``name``, then against sparkdist's."""
-    return (observe(pyspark_classes()[name], kwargs, run),
-            observe(sparkdist_classes()[name], kwargs, run))
+    theirs = observe(pyspark_classes()[name], kwargs, run)
+    ours = observe(sparkdist_classes()[name], kwargs, run)
+    print(f"{name}: pyspark {theirs.seconds:.1f} s, sparkdist {ours.seconds:.1f} s")
+    return theirs, ours
 
 
 def assert_same(theirs: Observed, ours: Observed, *, compare_value: bool = True) -> None:

@@ -125,17 +125,12 @@ def test_ssl_without_the_opt_out_fails_at_run(spark_local, name):
     assert_same(theirs, ours)
 
 
-def test_ssl_with_the_runtime_opt_out_warns_and_runs(spark_local, by_value):
-    kwargs = {"num_processes": 2, "local_mode": False, "use_gpu": False}
-    with runtime_conf(spark_local, **conf(**{SSL: "true", TORCH_OPT_OUT: "true"})):
-        theirs, ours = both("TorchDistributor", kwargs, lambda d: d.run(rank_and_world))
-    assert theirs.value == (0, 2) and len(theirs.warnings) == 1
-    assert_same(theirs, ours)
-
-
-# -- DataFrame input through pyspark's own partition loader ----------------------------------
+# -- a real Spark-mode run: SSL on with the runtime opt-out, a DataFrame through pyspark's own
+#    partition loader (one run covers both: pyspark's Spark-mode runs cost tens of seconds here)
 
 def rows_through_pysparks_loader(num_samples):
+    import os
+
     import torch.distributed as dist
 
     from pyspark.ml.torch.distributor import _get_spark_partition_data_loader
@@ -145,54 +140,40 @@ def rows_through_pysparks_loader(num_samples):
     for batch in _get_spark_partition_data_loader(num_samples, batch_size=8, num_workers=0):
         ids.update(int(i) for i in batch[0])
         kinds.add((type(batch[0]).__name__, tuple(batch[1].shape[1:])))
+    own = None
+    if "SPARKDIST_PARTITION_FILE" in os.environ:  # under sparkdist: its own reader, same rows
+        from sparkdist import data
+
+        own = {"rows": sorted(data.partition_table().column("id").to_pylist()),
+               "counts": data.rows_per_rank()}
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(ids))
+    dist.all_gather_object(everyone, (sorted(ids), own))
     dist.destroy_process_group()
-    return {"ids": everyone, "kinds": sorted(kinds)}
+    return {"ids": [seen for seen, _ in everyone], "sparkdist": [own for _, own in everyone],
+            "kinds": sorted(kinds)}
 
 
-def test_dataframe_through_pysparks_loader(spark_local, by_value):
+def test_ssl_opt_out_and_dataframe_through_pysparks_loader(spark_local, by_value):
     from pyspark.ml.linalg import Vectors
 
     rows = [(i, Vectors.dense([float(i), 1.0])) for i in range(40)]
     df = spark_local.createDataFrame(rows, ["id", "features"]).repartition(2)
     kwargs = {"num_processes": 2, "local_mode": False, "use_gpu": False}
-    # 25 samples of ~20 rows per rank: the loader wraps round its own rows.
-    theirs, ours = both("TorchDistributor", kwargs,
-                        lambda d: d._train_on_dataframe(rows_through_pysparks_loader, df, 25))
+    with runtime_conf(spark_local, **conf(**{SSL: "true", TORCH_OPT_OUT: "true"})):
+        # 25 samples of ~20 rows per rank: the loader wraps round its own rows.
+        theirs, ours = both("TorchDistributor", kwargs,
+                            lambda d: d._train_on_dataframe(rows_through_pysparks_loader, df, 25))
+    assert len(theirs.warnings) == 1  # the SSL opt-out, said on the class's logger
     assert_same(theirs, ours, compare_value=False)  # which rows land on which rank differs
     for seen in (theirs.value, ours.value):
         first, second = (set(ids) for ids in seen["ids"])
         assert first and second and first.isdisjoint(second)
         assert first | second == set(range(40))  # each rank its own rows; all rows seen
     assert ours.value["kinds"] == theirs.value["kinds"] == [("Tensor", (2,))]
-
-
-def both_readers_agree():
-    import os
-
-    from pyspark.ml.torch.distributor import _get_spark_partition_data_loader
-
-    from sparkdist import data
-
-    own = data.partition_table().column("id").to_pylist()
-    loader = _get_spark_partition_data_loader(len(own), batch_size=4, num_workers=0)
-    through_pyspark = [int(i) for batch in loader for i in batch[0]]
-    return {"rank": int(os.environ["RANK"]), "sparkdist": own, "pyspark": through_pyspark,
-            "counts": data.rows_per_rank()}
-
-
-def test_sparkdist_data_and_pysparks_loader_read_the_same_rows_in_one_run(spark_local):
-    from sparkdist import Distributor
-
-    result = Distributor(2, local_mode=False, use_gpu=False).run_all(
-        both_readers_agree, spark_dataframe=spark_local.range(30))
-    first, second = result.values
-    for value in result.values:
-        assert value["pyspark"] == value["sparkdist"]  # one file on disk, two readers
-        assert value["counts"] == [len(first["sparkdist"]), len(second["sparkdist"])]
-    assert set(first["sparkdist"]).isdisjoint(second["sparkdist"])
-    assert set(first["sparkdist"]) | set(second["sparkdist"]) == set(range(30))
+    # In the same run, sparkdist.data reads exactly the rows pyspark's loader read (one file).
+    counts = [len(ids) for ids in ours.value["ids"]]
+    for ids, own in zip(ours.value["ids"], ours.value["sparkdist"]):
+        assert own == {"rows": ids, "counts": counts}
 
 
 # -- script targets with arguments (local mode) ---------------------------------------------
@@ -293,10 +274,16 @@ def deepspeed_on_cpu(monkeypatch):
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_script_with_a_dict_config(spark_local, tmp_path, capfd, deepspeed_on_cpu):
+@pytest.mark.parametrize("form", ["dict", "file"])
+def test_deepspeed_script_gets_the_config(spark_local, tmp_path, capfd, deepspeed_on_cpu, form):
     script = tmp_path / "ds_args.py"
     script.write_text(DS_ARGS_SCRIPT)
-    kwargs = {"numGpus": 2, "useGpu": False, "deepspeedConfig": zero_config(2)}
+    config = zero_config(2)
+    if form == "file":
+        path = tmp_path / "zero2.json"
+        path.write_text(json.dumps(config))
+        config = str(path)
+    kwargs = {"numGpus": 2, "useGpu": False, "deepspeedConfig": config}
     run, captured = run_and_capture(capfd, lambda d: d.run(str(script), "--epochs", 3), "DS")
     theirs, ours = both("DeepspeedTorchDistributor", kwargs, run)
     assert_same(theirs, ours)
@@ -304,6 +291,7 @@ def test_deepspeed_script_with_a_dict_config(spark_local, tmp_path, capfd, deeps
 
 
 @pytest.mark.deepspeed
+@pytest.mark.slow  # DeepSpeed's import costs each rank seconds: a minute or more for both sides
 def test_deepspeed_trains_from_a_config_file(spark_local, tmp_path, capfd, deepspeed_on_cpu):
     script = tmp_path / "ds_train.py"
     script.write_text(DS_TRAIN_SCRIPT)

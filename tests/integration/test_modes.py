@@ -253,7 +253,11 @@ def test_deepspeed_config_needs_deepspeed_mode():
         Distributor(2, mode="ddp", deepspeed_config=zero_config(2))
 
 
-@pytest.mark.parametrize(("num_gpus", "nnodes"), [(0, 1), (1, 0), (True, 1)])
+@pytest.mark.parametrize(("num_gpus", "nnodes"), [(0, 1), (1, 0), (2.0, 1), (1, "2")])
 def test_deepspeed_torch_distributor_counts_must_be_positive(num_gpus, nnodes):
     with pytest.raises(ConfigError, match="must be a positive integer"):
-        DeepspeedTorchDistributor(numGpus=num_gpus, nnodes=nnodes)
+        DeepspeedTorchDistributor(numGpus=num_gpus, nnodes=nnodes, useGpu=False)
+
+
+def test_deepspeed_torch_distributor_counts_true_as_one_as_pyspark_does():
+    assert DeepspeedTorchDistributor(numGpus=True, nnodes=2, useGpu=False).num_processes == 2

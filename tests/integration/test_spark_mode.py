@@ -87,8 +87,12 @@ def test_more_tasks_than_slots_fails_fast_naming_both_counts(spark_local):
 
 
 def test_use_gpu_without_task_gpu_conf_names_the_conf_key(spark_local):
+    # Distributor: a ConfigError (ValueError) at run(); TorchDistributor: pyspark's moment and
+    # type, a RuntimeError (ClusterError) when the distributor is made.
     with pytest.raises(ValueError, match="spark.task.resource.gpu.amount is unset"):
-        TorchDistributor(2, local_mode=False, use_gpu=True).run(lambda: 1)
+        Distributor(2, local_mode=False, use_gpu=True).run(lambda: 1)
+    with pytest.raises(ClusterError, match="spark.task.resource.gpu.amount is unset"):
+        TorchDistributor(2, local_mode=False, use_gpu=True)
 
 
 def test_same_function_through_pysparks_torch_distributor_and_ours(spark_local):
