@@ -33,9 +33,11 @@ CPU_NAMES = {
 @pytest.fixture
 def sleeper():
     """A process with a child of its own: a rank and what it started."""
-    code = (
+    code = (  # the child says it is up first: its memory no longer grows while measured
         "import subprocess, sys; "
-        "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "kid = subprocess.Popen([sys.executable, '-c', "
+        "'import time; print(1, flush=True); time.sleep(600)'], stdout=subprocess.PIPE); "
+        "kid.stdout.readline(); "
         "print(kid.pid, flush=True); sys.stdin.read(); kid.kill(); kid.wait()"
     )
     proc = subprocess.Popen(
