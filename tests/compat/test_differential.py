@@ -176,6 +176,30 @@ def test_ssl_opt_out_and_dataframe_through_pysparks_loader(spark_local, by_value
         assert own == {"rows": ids, "counts": counts}
 
 
+# -- refusals at run(): what pyspark raises before (or instead of) training ---------------------
+
+def fail_on_every_rank():
+    raise ValueError("the training function failed")
+
+
+@pytest.mark.parametrize("case", ["dataframe in local mode", "keywords for a script",
+                                  "a failing function"])
+def test_refused_or_failed_at_run(spark_local, tmp_path, by_value, case):
+    script = tmp_path / "args_script.py"
+    script.write_text(ARGS_SCRIPT)
+    kwargs = {"num_processes": 2, "local_mode": True, "use_gpu": False}
+    run = {
+        "dataframe in local mode":
+            lambda d: d._train_on_dataframe(rank_and_world, spark_local.range(4)),
+        "keywords for a script": lambda d: d.run(str(script), lr=0.1),
+        # pyspark: RuntimeError("...failed during training"); ours: WorkerFailedError, also one.
+        "a failing function": lambda d: d.run(fail_on_every_rank),
+    }[case]
+    theirs, ours = both("TorchDistributor", kwargs, run)
+    assert theirs.raised_in == "run"
+    assert_same(theirs, ours)
+
+
 # -- script targets with arguments (local mode) ---------------------------------------------
 
 ARGS_SCRIPT = """
@@ -327,3 +351,17 @@ def test_connect_ssl_without_the_opt_out_fails_at_run(spark_connect):
         theirs, ours = both("TorchDistributor", kwargs, lambda d: d.run(rank_and_world))
     assert theirs.raised_in == "run" and ours.attributes["is_remote"] is True
     assert_same(theirs, ours)
+
+
+# -- an intended difference, pinned: docs/launching.md lists it ------------------------------
+
+def test_a_failing_script_is_a_failure_here_and_a_success_in_pyspark(spark_local, tmp_path):
+    from sparkdist import WorkerFailedError
+
+    script = tmp_path / "failing_script.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    kwargs = {"num_processes": 1, "local_mode": True, "use_gpu": False}
+    theirs, ours = both("TorchDistributor", kwargs, lambda d: d.run(str(script)))
+    assert theirs.error is None and theirs.value is None  # pyspark: reported as success
+    assert isinstance(ours.error, WorkerFailedError) and ours.raised_in == "run"
+    assert ours.error.root_cause.exit_code == 3
