@@ -51,6 +51,16 @@ class TorchDistributor(Distributor):
     and lowers ``num_processes``. ``run`` returns rank 0's value and raises when a rank fails.
     Unlike pyspark's, local mode needs no SparkSession.
 
+    Args:
+        num_processes: the world size.
+        local_mode: True runs the ranks on the driver, False as one Spark barrier stage.
+        use_gpu: one GPU per rank (True) or CPU with gloo (False).
+        _ssl_conf: the Spark conf key that lets a run go on with ``spark.ssl.enabled=true``.
+
+    Raises:
+        ClusterError: the Spark conf cannot give the ranks GPUs (a ``RuntimeError``).
+        ConfigError: an argument or a GPU amount is not usable (a ``ValueError``).
+
     Example:
         >>> from sparkdist import TorchDistributor
         >>> TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
@@ -206,6 +216,17 @@ class DeepspeedTorchDistributor(TorchDistributor):
     ``sparkdist.runtime.deepspeed_config()``. Without a GPU, ranks use DeepSpeed's CPU
     accelerator (``DS_ACCELERATOR=cpu``) and gloo. Attributes are TorchDistributor's plus
     ``deepspeed_config`` and ``cleanup_deepspeed_conf``, as in pyspark.
+
+    Args:
+        numGpus: ranks per node.
+        nnodes: nodes; the world is ``numGpus * nnodes`` ranks.
+        localMode: True runs the ranks on the driver, False as one Spark barrier stage.
+        useGpu: one GPU per rank (True) or CPU with gloo (False).
+        deepspeedConfig: the DeepSpeed config, a dict or the path of a JSON file, or None.
+
+    Raises:
+        ClusterError: the Spark conf cannot give the ranks GPUs (a ``RuntimeError``).
+        ConfigError: a count or the config is not usable (a ``ValueError``).
 
     Example:
         >>> from sparkdist import DeepspeedTorchDistributor
