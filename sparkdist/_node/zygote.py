@@ -46,6 +46,8 @@ FDS_PER_REQUEST = 4
 #: Spares kept parked: at least this many, and as many as ranks ever ran at once (capped).
 MIN_SPARES = 2
 MAX_SPARES = 16
+#: Spares are forked again once no request came for this long (a run's requests come together).
+REPLENISH_AFTER_QUIET_S = 0.05
 #: After its owner died, how long the zygote lets its ranks end themselves before it exits.
 OWNER_GONE_GRACE_S = 0.5
 #: The process name of a parked spare (15 characters at most).
@@ -63,6 +65,7 @@ def main() -> None:
     import torch.distributed  # noqa: F401
 
     from sparkdist._node import worker as _worker  # noqa: F401
+    from sparkdist._wire import payload  # noqa: F401 - unpickling every job needs it
 
     # Move everything imported so far out of the collector's reach: a forked rank's first
     # collection would otherwise touch (and so copy) every page of the inherited heap.
@@ -105,10 +108,19 @@ class _Server:
 
     def serve(self) -> None:
         stdin = sys.stdin.fileno()
+        replenish_at: float | None = None  # spares are made once requests pause
         while True:
+            wait = None if replenish_at is None else max(0.0, replenish_at - time.monotonic())
             try:
-                readable, _, _ = select.select([stdin, self.listener, self.wake_read], [], [])
+                readable, _, _ = select.select([stdin, self.listener, self.wake_read], [], [], wait)
             except InterruptedError:
+                continue
+            if not readable:
+                # A quiet moment after a burst: fork the spares now, off every rank's path (a
+                # fork of this torch-sized process takes 10-15 ms; between two requests of one
+                # run it would delay the next rank by as much).
+                self._replenish()
+                replenish_at = None
                 continue
             if self.wake_read in readable:
                 os.read(self.wake_read, 4096)
@@ -122,7 +134,7 @@ class _Server:
                     self._hand_out(conn)
                 except (OSError, ValueError):
                     conn.close()
-            self._replenish()  # after answering: spares are made off the critical path
+                replenish_at = time.monotonic() + REPLENISH_AFTER_QUIET_S
 
     def _let_ranks_end(self) -> None:
         """The owner died: its ranks see their control pipes close and end themselves (and
