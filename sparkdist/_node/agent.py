@@ -265,6 +265,7 @@ class Agent:
                 kind, payload = self.events.get(timeout=self._until_next_check())
             except queue.Empty:
                 self._check_hangs(outbox)
+                self._check_driver_loss()
                 continue
             if kind == "exit":
                 worker, code = payload
