@@ -57,6 +57,8 @@ __all__ = ["Agent", "run_agent"]
 
 logger = logging.getLogger("sparkdist")
 
+#: How long, after the last rank exited, its output may take to be read to the end.
+OUTPUT_READ_TIMEOUT_S = 5.0
 #: After the driver's channel closed mid-run, how long the ranks may go on without it (unless
 #: ``heartbeat_timeout_s`` is set: then that long). Documented in docs/restarts.md.
 DRIVER_LOSS_GRACE_S = 60.0
@@ -165,6 +167,7 @@ class Agent:
             self.link.start()
             with sampling(self.spec, self.workers, outbox.line):  # system metrics, if asked
                 self._watch(outbox)
+            self._finish_reading()
             outcomes = [self._outcome_of(w) for w in self.workers.values()]
             self.link.say_bye()  # after the last output line: the driver knows it is complete
             if self.link.detached is not None:
@@ -323,6 +326,15 @@ class Agent:
             self.abort_reason = reason
             workers = list(self.workers.values())
         end_ranks(workers, self.spec)
+
+    def _finish_reading(self) -> None:
+        """Wait until every rank's output is read to its end (the pipes close once the rank and
+        its strays are gone): a rank's exit can be seen before its last lines are, and the bye
+        that follows tells the driver the output is complete."""
+        deadline = time.monotonic() + OUTPUT_READ_TIMEOUT_S
+        for worker in self.workers.values():
+            for thread in worker.threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _outcome_of(self, worker: RankHandle) -> Outcome:
         return outcome_of(

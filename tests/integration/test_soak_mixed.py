@@ -16,6 +16,7 @@ import time
 import pytest
 
 from sparkdist import Distributor, RunTimeoutError, WorkerFailedError
+from sparkdist._node import pool as _pool
 from tests.integration.test_soak import FD_SLACK, THREAD_SLACK, snapshot
 
 pytestmark = pytest.mark.timeout(900)
@@ -75,6 +76,7 @@ def _one(kind: str, distributor: Distributor, quick_timeout: Distributor) -> Non
 
 
 def test_two_hundred_mixed_runs_return_to_baseline():
+    _pool.shutdown()  # earlier tests' zygotes (other environments) are not this soak's
     distributor = Distributor(2, use_gpu=False, mlflow=False)
     quick_timeout = Distributor(2, use_gpu=False, mlflow=False, timeout_s=0.5)
     for kind in ("ok", "pair", "fails"):  # warm-up: the zygote and its spares exist
