@@ -126,7 +126,6 @@ def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_p
     assert not run_processes()
 
 
-@pytest.mark.spark
 def doctor_rows(table: str) -> dict[str, tuple[str, str]]:
     """The doctor's table as {check: (status, text)}, each row's wrapped lines joined again.
 
@@ -153,35 +152,6 @@ def doctor_rows(table: str) -> dict[str, tuple[str, str]]:
             text += part if text.endswith("-") or not text else " " + part
         joined[name] = (status, text)
     return joined
-
-
-def test_doctor_reports_no_gpu_and_passes_the_rest(tmp_path):
-    # The shipped GPU conf is judged too: sound, but its discovery script is not on this box.
-    # JDK_JAVA_OPTIONS speeds the probe's JVM up, and makes java print a note before its
-    # version, which the doctor must see past. A fresh machine: empty home, no Spark conf dir.
-    (tmp_path / "home").mkdir()
-    (tmp_path / "spark-conf").mkdir()
-    properties = REPO / "conf" / "spark-defaults.conf"
-    done = sparkdist("doctor", "--properties-file", str(properties), cwd=tmp_path, timeout=180,
-                     JDK_JAVA_OPTIONS=FAST_JVM_OPTIONS, HOME=str(tmp_path / "home"),
-                     SPARK_CONF_DIR=str(tmp_path / "spark-conf"))
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = doctor_rows(done.stdout)
-    for name in ("python", "java", "pyspark", "torch"):
-        assert rows[name][0] == "OK", rows[name]
-    assert rows["spark session"][0] == "OK" and "local[1] ran a Python task" in rows[
-        "spark session"][1]
-    assert rows["gpus"][0] == "NOTE" and "no GPU visible" in rows["gpus"][1]
-    status, text = rows["spark gpu conf"]
-    assert text.startswith(f"{properties}: 8 GPU(s) per executor, 1 per task "
-                           "(1 rank(s) per barrier task)"), text
-    script = "/opt/sparkdist/getGpusResources.sh"
-    if os.access(script, os.X_OK):
-        assert status == "OK", text
-    else:
-        assert status == "NOTE" and f"fix: the discovery script {script} is not an executable " \
-            "file here" in text, text
-    assert "0 problem(s)" in done.stdout
 
 
 def test_doctor_exits_1_and_says_the_fix_when_java_is_missing(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import REPO
 from tests.integration.standalone_cluster import FAST_JVM_OPTIONS
+from tests.integration.test_cli import doctor_rows
 
 CHECKS = ("python", "java", "pyspark", "spark session", "torch", "gpus", "spark gpu conf",
           "deepspeed", "mlflow")
@@ -31,11 +32,17 @@ def assert_each_check_starts_then_ends(lines: list[str]) -> None:
 
 @pytest.mark.spark
 def test_doctor_shows_each_check_while_it_runs(tmp_path):
+    """One doctor run (its Spark probe starts a JVM) for both what it says while it runs and the
+    table it ends with."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "conf").mkdir()
     doctor = subprocess.Popen(
         [sys.executable, "-m", "sparkdist", "doctor", "--properties-file",
          str(REPO / "conf" / "spark-defaults.conf")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        text=True, env={**os.environ, "JDK_JAVA_OPTIONS": FAST_JVM_OPTIONS},
+        text=True, env={**os.environ, "JDK_JAVA_OPTIONS": FAST_JVM_OPTIONS,
+                        # A fresh machine: an empty home, no Spark conf dir.
+                        "HOME": str(tmp_path / "home"), "SPARK_CONF_DIR": str(tmp_path / "conf")},
     )
     try:
         assert doctor.stderr is not None and doctor.stdout is not None
@@ -61,6 +68,7 @@ def test_doctor_shows_each_check_while_it_runs(tmp_path):
     assert doctor.returncode == 0, out
     assert out.rstrip("\n").splitlines()[-1].startswith("doctor: ready: ")
     assert "doctor: checking" not in out  # stdout keeps the table and the verdict only
+    assert_table_reports_no_gpu_and_passes_the_rest(out)
 
 
 def test_doctor_without_java_names_the_problems_last(tmp_path):
@@ -79,3 +87,25 @@ def test_doctor_without_java_names_the_problems_last(tmp_path):
     assert last.startswith("doctor: not ready: ") and last.endswith(
         "(java, spark session); fix the PROBLEM rows above")
     assert time.monotonic() - started < 120  # no JVM was waited for
+
+
+def assert_table_reports_no_gpu_and_passes_the_rest(out: str) -> None:
+    """The shipped GPU conf is judged too: sound, but its discovery script is not on this box.
+    JDK_JAVA_OPTIONS speeds the probe's JVM up, and makes java print a note before its
+    version, which the doctor must see past."""
+    properties = REPO / "conf" / "spark-defaults.conf"
+    rows = doctor_rows(out)
+    for name in ("python", "java", "pyspark", "torch"):
+        assert rows[name][0] == "OK", rows[name]
+    assert rows["spark session"][0] == "OK" and "local[1] ran a Python task" in rows[
+        "spark session"][1]
+    assert rows["gpus"][0] == "NOTE" and "no GPU visible" in rows["gpus"][1]
+    status, text = rows["spark gpu conf"]
+    assert text.startswith(f"{properties}: 8 GPU(s) per executor, 1 per task "
+                           "(1 rank(s) per barrier task)"), text
+    script = "/opt/sparkdist/getGpusResources.sh"
+    if os.access(script, os.X_OK):
+        assert status == "OK", text
+    else:
+        assert status == "NOTE" and f"fix: the discovery script {script} is not an executable " \
+            "file here" in text, text

@@ -173,7 +173,8 @@ def zero_config(stage):
 
 
 @pytest.mark.deepspeed
-@pytest.mark.parametrize("stage", [2, 3])
+# Stage 2 here (a dict config); stage 3 and offload train in test_deepspeed_configs.py.
+@pytest.mark.parametrize("stage", [2])
 def test_deepspeed_zero_loss_falls_on_every_rank(stage):
     result = Distributor(2, use_gpu=False, mode="deepspeed",
                          deepspeed_config=zero_config(stage)).run_all(deepspeed_train, 20)
