@@ -166,15 +166,6 @@ def _master_group(item: pytest.Item) -> int | None:
     return max(groups) if groups else None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Lint and type-check in the background from the start, if the session runs those checks
-    (``tests/unit/test_code_quality.py``)."""
-    if any(item.nodeid.startswith("tests/unit/test_code_quality.py") for item in session.items):
-        from tests.unit.test_code_quality import start_checks
-
-        start_checks()
-
-
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     current: dict[str, int] = {}
     keys: dict[str, int] = {}

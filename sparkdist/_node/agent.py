@@ -331,6 +331,8 @@ class Agent:
         """Wait until every rank's output is read to its end (the pipes close once the rank and
         its strays are gone): a rank's exit can be seen before its last lines are, and the bye
         that follows tells the driver the output is complete."""
+        if self.aborting:
+            return  # stopped ranks: their strays go in ``finally``, not worth waiting for
         deadline = time.monotonic() + OUTPUT_READ_TIMEOUT_S
         for worker in self.workers.values():
             for thread in worker.threads:

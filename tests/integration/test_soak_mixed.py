@@ -78,7 +78,7 @@ def _one(kind: str, distributor: Distributor, quick_timeout: Distributor) -> Non
 def test_two_hundred_mixed_runs_return_to_baseline():
     _pool.shutdown()  # earlier tests' zygotes (other environments) are not this soak's
     distributor = Distributor(2, use_gpu=False, mlflow=False)
-    quick_timeout = Distributor(2, use_gpu=False, mlflow=False, timeout_s=0.5)
+    quick_timeout = Distributor(2, use_gpu=False, mlflow=False, timeout_s=0.25)
     for kind in ("ok", "pair", "fails"):  # warm-up: the zygote and its spares exist
         _one(kind, distributor, quick_timeout)
     baseline = snapshot()

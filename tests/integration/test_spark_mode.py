@@ -95,28 +95,6 @@ def test_use_gpu_without_task_gpu_conf_names_the_conf_key(spark_local):
         TorchDistributor(2, local_mode=False, use_gpu=True)
 
 
-def test_same_function_through_pysparks_torch_distributor_and_ours(spark_local):
-    import sys
-
-    from pyspark import cloudpickle as pyspark_cloudpickle
-    from pyspark.ml.torch.distributor import TorchDistributor as PysparkTorchDistributor
-
-    # pyspark pickles a test module's function by reference, and its torchrun workers cannot
-    # import this module; ship it by value for pyspark (sparkdist does that on its own).
-    module = sys.modules[__name__]
-    pyspark_cloudpickle.register_pickle_by_value(module)
-    try:
-        theirs = PysparkTorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
-            all_reduce_rank_sum, 10)
-    finally:
-        pyspark_cloudpickle.unregister_pickle_by_value(module)
-    ours = TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
-        all_reduce_rank_sum, 10)
-    assert ours == {"rank": 0, "total": 30.0, "node": "0", "local": "0"}
-    # pyspark returns whichever rank wrote last; the reduced value agrees either way.
-    assert theirs["total"] == ours["total"]
-
-
 def test_gpu_type_is_checked_on_the_executors_before_any_rank_starts(spark_local):
     from sparkdist._core.config import LaunchConfig
     from sparkdist._engine.launch import launch
