@@ -225,7 +225,17 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
         # A local agent that raised said no goodbye and never will.
         failed_here = agents.error is not None and agents.in_process
         expected = 0 if failed_here else state.expected_goodbyes()
-        monitor.changed.wait_for(lambda: len(state.done_nodes) >= expected, timeout=OUTPUT_DRAIN_S)
+        all_said_bye = monitor.changed.wait_for(
+            lambda: len(state.done_nodes) >= expected, timeout=OUTPUT_DRAIN_S
+        )
+        if not all_said_bye and agents.error is None:
+            silent = sorted(set(state.node_hosts) - state.done_nodes)
+            logger.warning(
+                "sparkdist: node(s) %s did not confirm their ranks' output within %g s of the "
+                "end; their last output lines may be missing",
+                silent,
+                OUTPUT_DRAIN_S,
+            )
     if state.stop_cause is StopCause.CANCELLED:
         raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
     # Every node's refusal in one message (the wait for the byes above let them all arrive).

@@ -103,7 +103,7 @@ class Outbox:
             return
         final = dataclasses.replace(final, dropped=self.dropped)
         try:
-            client.send(final)
+            client.send(final, after_posted=True)  # the flush may have timed out: stay behind
         except (ChannelClosed, protocol.ProtocolError):
             return
         client.flush(max(0.0, deadline - time.monotonic()))

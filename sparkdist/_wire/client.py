@@ -114,8 +114,12 @@ class ChannelClient:
 
     # -- called by the agent -------------------------------------------------------------------
 
-    def send(self, message: protocol.Message) -> None:
+    def send(self, message: protocol.Message, after_posted: bool = False) -> None:
         """Queue a control message (never dropped while the connection lives).
+
+        Control messages go ahead of the droppable ones already queued, unless
+        ``after_posted``: then it goes behind them (a goodbye that says the output is complete
+        must never overtake the output).
 
         Raises:
             ProtocolError: ``message`` is not one an agent may send (the error says why).
@@ -135,7 +139,13 @@ class ChannelClient:
                 self._cond.wait(left)
             if self.closed or self._closing_at is not None:
                 raise ChannelClosed(f"the channel to the driver at {self.address} is closed")
-            self._control.append(data)
+            if after_posted and self._posted:
+                # Behind the lines, never dropped: the droppable queue's limits do not apply.
+                self._posted.append(data)
+                self._posted_bytes += len(data)
+                self._posted_since = 0.0  # due now: nothing lingers behind a last message
+            else:
+                self._control.append(data)
             self._kick(urgent=True)
 
     def post(self, message: protocol.Message) -> bool:

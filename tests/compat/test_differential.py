@@ -202,9 +202,12 @@ def test_refused_or_failed_at_run(spark_local, tmp_path, by_value, case):
 
 # -- script targets with arguments (local mode) ---------------------------------------------
 
+# The ranks under pyspark's torchrun share one pipe, so each marked line is one write(2) (atomic
+# below PIPE_BUF): print() may write a line in pieces, and two ranks' pieces interleave there.
 ARGS_SCRIPT = """
 import os, sys
-print("ARGS", os.environ["RANK"], os.environ["WORLD_SIZE"], sys.argv[1:], flush=True)
+words = ["ARGS", os.environ["RANK"], os.environ["WORLD_SIZE"], sys.argv[1:]]
+os.write(1, (" ".join(map(str, words)) + "\\n").encode())
 """
 
 
@@ -256,12 +259,13 @@ parser.add_argument("--deepspeed_config")
 args = parser.parse_args()
 with open(args.deepspeed_config) as f:
     config = json.load(f)
-print("DS", os.environ["RANK"], os.environ["WORLD_SIZE"], args.epochs, args.deepspeed,
-      config["zero_optimization"]["stage"], flush=True)
+words = ["DS", os.environ["RANK"], os.environ["WORLD_SIZE"], args.epochs, args.deepspeed,
+         config["zero_optimization"]["stage"]]
+os.write(1, (" ".join(map(str, words)) + "\\n").encode())
 """
 
 DS_TRAIN_SCRIPT = """
-import argparse, os
+import argparse, os, sys
 import torch
 import deepspeed
 parser = argparse.ArgumentParser()
@@ -280,8 +284,9 @@ for _ in range(3):
     engine.backward(loss)
     engine.step()
     losses.append(loss.item())
-print("DSTRAIN", os.environ["RANK"], engine.zero_optimization_stage(),
-      losses[-1] < losses[0], flush=True)
+words = ["DSTRAIN", os.environ["RANK"], engine.zero_optimization_stage(), losses[-1] < losses[0]]
+sys.stdout.flush()
+os.write(1, (" ".join(map(str, words)) + "\\n").encode())
 """
 
 

@@ -115,6 +115,22 @@ def test_messages_keep_their_order_and_control_goes_first(served):
     client.close()
 
 
+def test_a_goodbye_sent_after_the_posted_lines_never_overtakes_them(served):
+    # The agent's flush before its bye may time out; the bye must still come last, or the
+    # driver stops reading the node's output before its last lines.
+    server, secret, inbox = served
+    client = _client(server, secret)
+    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(2000)]
+    for line in lines:
+        assert client.post(line)
+    client.send(protocol.Rows({0: 1}))  # control: ahead of what is still queued
+    client.send(protocol.Bye(node=0), after_posted=True)  # no flush first: still queued
+    assert inbox.wait_for(lambda i: len(i.messages) == 2002)
+    assert inbox.messages[-1] == protocol.Bye(0)
+    assert [m for m in inbox.messages if isinstance(m, protocol.Log)] == lines
+    client.close()
+
+
 def test_wrong_secret_is_refused_by_both_sides(served):
     server, _, inbox = served
     with pytest.raises(ChannelClosed, match="did not prove it knows the run's secret"):
