@@ -288,6 +288,10 @@ class RunState:
         """How many nodes' goodbyes to wait for once the agents ended."""
         return self.num_nodes if self.agents_failed else len(self.node_hosts)
 
+    def silent_nodes(self) -> list[int]:
+        """Nodes that reached the channel and have not said bye (their output may be partial)."""
+        return sorted(set(self.node_hosts) - self.done_nodes)
+
     # -- events -------------------------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Decision]:

@@ -16,6 +16,7 @@ Non-goals: which ranks' lines are forwarded (``_node``), the tqdm bar of ``runti
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -26,6 +27,8 @@ from sparkdist._wire.protocol import Log, Stream
 #: Back to the start of the line, and erase it (Spark's bar included).
 CLEAR_LINE = "\r\x1b[K"
 _CONSOLE_PROGRESS_KEY = "spark.ui.showConsoleProgress"
+
+logger = logging.getLogger("sparkdist")
 
 _lock = threading.Lock()
 _read_for: list[Any] = [None, False]  # [the SparkContext read, its bar setting]
@@ -53,6 +56,16 @@ def print_rank_line(message: Log) -> None:
             stream.flush()
         except (OSError, ValueError):
             pass  # the driver's own output is gone; training goes on
+
+
+def warn_output_unconfirmed(nodes: list[int], waited_s: float) -> None:
+    """Say that ``nodes`` never confirmed their ranks' output was complete (no bye)."""
+    logger.warning(
+        "sparkdist: node(s) %s did not confirm their ranks' output within %g s of the end; "
+        "their last output lines may be missing",
+        nodes,
+        waited_s,
+    )
 
 
 def _spark_bar_on_terminal() -> bool:

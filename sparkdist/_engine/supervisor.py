@@ -1,5 +1,5 @@
 """Supervising a started attempt: feed the run state machine, carry out its decisions, and turn
-outcomes into a result or an error.
+outcomes into a result (errors: ``failures``).
 
 ``RunMonitor`` adapts the channel to ``_core.run_state.RunState`` (messages become events,
 decisions become actions); ``supervise`` ticks the machine at its deadlines until the agents'
@@ -10,12 +10,11 @@ Non-goals: placement and argument handling (``launch``), how agents start (``_ba
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from sparkdist._backends.base import RunningAgents
@@ -24,9 +23,6 @@ from sparkdist._core.errors import (
     ClusterError,
     ConfigError,
     RankFailure,
-    RendezvousError,
-    RunTimeoutError,
-    WorkerFailedError,
 )
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
@@ -38,7 +34,6 @@ from sparkdist._core.run_state import (
     Deadlines,
     Decision,
     Event,
-    FailureTiming,
     HoldRendezvous,
     NodeDone,
     NodeHello,
@@ -53,11 +48,11 @@ from sparkdist._core.run_state import (
     StopCause,
     StoreReady,
     Tick,
-    root_cause,
 )
 from sparkdist._core.versions import Refusal, refusal_message, refusals_in
+from sparkdist._engine.failures import caller_stop_error, failure_error, stage_failure
 from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
-from sparkdist._node.detached import failures_in
+from sparkdist._engine.rank_lines import warn_output_unconfirmed
 from sparkdist._tracking.run_watch import spawn_timeline
 from sparkdist._wire import protocol
 from sparkdist._wire.channel import ChannelServer, Peer
@@ -213,7 +208,7 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
                 _cancel_agents(agents, monitor, state.stop_reason or "the run is ending")
             if state.stop_cause in _CALLER_STOPS:
                 monitor.changed.wait_for(lambda: agents.done, timeout=ABORT_GRACE_S)
-                raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
+                raise caller_stop_error(state.stop_cause, state.stop_reason or "")
             wakeup = state.next_wakeup()
             monitor.changed.wait(
                 None if wakeup is None else max(0.0, wakeup - time.monotonic()) + 0.001
@@ -225,19 +220,13 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
         # A local agent that raised said no goodbye and never will.
         failed_here = agents.error is not None and agents.in_process
         expected = 0 if failed_here else state.expected_goodbyes()
-        all_said_bye = monitor.changed.wait_for(
-            lambda: len(state.done_nodes) >= expected, timeout=OUTPUT_DRAIN_S
+        said_bye = monitor.changed.wait_for(
+            lambda: len(state.done_nodes) >= expected, OUTPUT_DRAIN_S
         )
-        if not all_said_bye and agents.error is None:
-            silent = sorted(set(state.node_hosts) - state.done_nodes)
-            logger.warning(
-                "sparkdist: node(s) %s did not confirm their ranks' output within %g s of the "
-                "end; their last output lines may be missing",
-                silent,
-                OUTPUT_DRAIN_S,
-            )
+        if not said_bye and agents.error is None:
+            warn_output_unconfirmed(state.silent_nodes(), OUTPUT_DRAIN_S)
     if state.stop_cause is StopCause.CANCELLED:
-        raise _caller_stop_error(state.stop_cause, state.stop_reason or "")
+        raise caller_stop_error(state.stop_cause, state.stop_reason or "")
     # Every node's refusal in one message (the wait for the byes above let them all arrive).
     refusals = monitor.refusals + refusals_in(agents.error)
     if refusals:
@@ -245,7 +234,9 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
     if state.data_error is not None:
         raise ConfigError(state.data_error)
     if agents.error is not None:
-        raise _stage_failure(agents.error, monitor, in_process=agents.in_process)
+        raise stage_failure(
+            agents.error, state, monitor.failure_codes, in_process=agents.in_process
+        )
     assert agents.outcomes is not None
     return agents.outcomes
 
@@ -266,72 +257,12 @@ def _cancel_agents(agents: RunningAgents, monitor: RunMonitor, reason: str) -> N
     agents.cancel(reason)
 
 
-def _caller_stop_error(cause: StopCause | None, reason: str) -> BaseException:
-    if cause is StopCause.TIMED_OUT:
-        return RunTimeoutError(reason)
-    if cause is StopCause.START_TIMED_OUT:
-        return RendezvousError(reason)
-    return concurrent.futures.CancelledError("the run was cancelled; every rank was stopped")
-
-
 def request_cancel(monitor: RunMonitor, reason: str, agents: RunningAgents | None = None) -> None:
     """Stop the run (the supervisor then raises CancelledError); where the backend can, also
     end every rank on this thread, returning once they are gone."""
     monitor.cancel(reason)
     if agents is not None:
         agents.stop_now(reason)
-
-
-def _stage_failure(
-    error: BaseException, monitor: RunMonitor, *, in_process: bool = False
-) -> BaseException:
-    """The agents' side itself failed (an executor died, a task raised before its agent ran,
-    a detached node reported its ranks' failures in its task error)."""
-    if isinstance(error, (ClusterError, WorkerFailedError)):
-        return error
-    state = monitor.state
-    detached = {f.rank: f for f in failures_in(str(error))}
-    if detached:
-        failed = WorkerFailedError(detached, detached[_root_of(detached, monitor, {})])
-        failed.__cause__ = error
-        return failed
-    summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    failures = {
-        rank: RankFailure(
-            rank=rank,
-            host="",
-            exit_code=monitor.failure_codes.get(rank),
-            exc_type="",
-            message=f"failed; its details were lost with the Spark stage ({summary})",
-        )
-        for rank in state.failed_ranks
-    }
-    per_node = state.world_size // max(state.num_nodes, 1)
-    for node in state.lost_nodes:
-        host = state.node_hosts.get(node, "")
-        for rank in range(node * per_node, (node + 1) * per_node):
-            failures.setdefault(
-                rank,
-                RankFailure(
-                    rank=rank,
-                    host=host,
-                    exit_code=None,
-                    exc_type="",
-                    message=f"lost with its node {node} (the executor or its Python worker died): "
-                    f"{summary}",
-                ),
-            )
-    if failures:
-        failed = WorkerFailedError(failures, failures[_root_of(failures, monitor, {})])
-        failed.__cause__ = error
-        return failed
-    if in_process:
-        where, hint = "the local agent", "the traceback below has the cause"
-    else:
-        where, hint = "the Spark barrier stage", "see the executor logs for the cause"
-    cluster = ClusterError(f"{where} failed before the ranks reported: {summary}; {hint}")
-    cluster.__cause__ = error
-    return cluster
 
 
 def result_of(
@@ -350,7 +281,7 @@ def result_of(
                 rank=rank, host="", exit_code=None, exc_type="", message="never reported back"
             )
         release_values(outcomes)  # the ranks that did finish: their values go unread
-        raise _failure_error(failures, monitor, by_rank)
+        raise failure_error(failures, monitor.state, by_rank)
     ordered = [by_rank[r] for r in range(placement.world_size)]
     for outcome in ordered:  # output a detached node kept: now, in rank order
         for stream, line in outcome.output:
@@ -368,43 +299,3 @@ def result_of(
         mode_settings=config.mode_settings(),
         timeline=spawn_timeline(ordered, placement.processes_per_task),  # + steps: the tracker
     )
-
-
-def _failure_error(
-    failures: dict[int, RankFailure], monitor: RunMonitor, by_rank: dict[int, Outcome]
-) -> WorkerFailedError:
-    # Ranks sparkdist stopped because the run was ending are consequences, reported only
-    # when nobody failed on their own.
-    own = {r: f for r, f in failures.items() if not (r in by_rank and by_rank[r].aborted)}
-    failures = own or failures
-    error = WorkerFailedError(failures, failures[_root_of(failures, monitor, by_rank)])
-    original = error.root_cause.exception_bytes
-    if original is not None:
-        try:
-            cause = loads(original)
-        except Exception:  # noqa: BLE001 - the exception's class may not exist here
-            cause = None
-        if isinstance(cause, BaseException):
-            error.__cause__ = cause
-    return error
-
-
-def _root_of(
-    failures: Mapping[int, RankFailure], monitor: RunMonitor, by_rank: Mapping[int, Outcome]
-) -> int:
-    """The root cause among ``failures``, by the ranks' own timestamps (``root_cause``)."""
-    state = monitor.state
-    timings = []
-    for rank, failure in failures.items():
-        outcome = by_rank.get(rank)
-        ended_at = outcome.ended_at if outcome is not None else 0.0
-        timings.append(
-            FailureTiming(
-                rank=rank,
-                failed_at=failure.failed_at,
-                ended_at=ended_at or state.failure_seen_at.get(rank, 0.0),
-                aborted=outcome.aborted if outcome is not None else False,
-                hung_since=state.hung_since.get(rank),
-            )
-        )
-    return root_cause(timings)

@@ -255,9 +255,13 @@ class ChannelClient:
                     selector.modify(self._sock, events, self._sock)
                 for key, mask in selector.select(timeout):
                     if key.data is None:
+                        # Drain first, then clear: a kick in between must not lose its byte
+                        # (cleared first, the drain would eat it and leave the flag set, and
+                        # every later kick, a goodbye's included, would be skipped). A kick
+                        # before the clear is seen anyway: the loop reads the queues next.
+                        _drain(self._wake_r)
                         with self._cond:
                             self._wake_pending = False
-                        _drain(self._wake_r)
                     elif mask & selectors.EVENT_READ:
                         try:
                             data = self._sock.recv(1 << 18)

@@ -17,6 +17,12 @@ from tests.conftest import run_processes
 
 
 def save_without_a_checkpoint_dir():
+    import torch.distributed as dist
+
+    # Both ranks reach the failing call together: a rank still starting when the other's
+    # failure ends the run would be stopped, not failed, and the message would name one rank.
+    dist.init_process_group("gloo")
+    dist.barrier()
     runtime.save_checkpoint({"step": 1}, 1)  # sparkdist raises, two frames down
 
 

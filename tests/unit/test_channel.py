@@ -131,6 +131,33 @@ def test_a_goodbye_sent_after_the_posted_lines_never_overtakes_them(served):
     client.close()
 
 
+def test_no_wake_up_is_lost_while_lines_and_control_messages_race(served):
+    # A kick landing between the I/O thread's wake-up handling steps once left the client
+    # believing a wake-up was pending forever: later control messages (a goodbye) then sat
+    # in the queue until the driver gave the node up, and its last output lines were lost.
+    server, secret, inbox = served
+    client = _client(server, secret)
+    stop = threading.Event()
+
+    def post_lines() -> None:
+        while not stop.is_set():
+            client.post(protocol.Log(0, protocol.Stream.STDOUT, "x"))
+            time.sleep(0)
+
+    poster = threading.Thread(target=post_lines)
+    poster.start()
+    try:
+        for number in range(300):
+            client.send(protocol.Rows({0: number}))
+            assert inbox.wait_for(lambda i: protocol.Rows({0: number}) in i.messages, 2.0), (
+                f"control message {number} was never sent"
+            )
+    finally:
+        stop.set()
+        poster.join()
+        client.close()
+
+
 def test_wrong_secret_is_refused_by_both_sides(served):
     server, _, inbox = served
     with pytest.raises(ChannelClosed, match="did not prove it knows the run's secret"):

@@ -1,0 +1,126 @@
+"""Turning how an attempt ended into the error its caller gets: the caller's own stop, a failed
+Spark stage or local agent, or failed ranks with the root cause first (by the ranks' own
+timestamps, ``run_state.root_cause``).
+
+Non-goals: deciding when an attempt ended (``supervisor``, ``_core.run_state``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Mapping
+
+from sparkdist._core.errors import (
+    ClusterError,
+    RankFailure,
+    RendezvousError,
+    RunTimeoutError,
+    WorkerFailedError,
+)
+from sparkdist._core.run_state import FailureTiming, RunState, StopCause, root_cause
+from sparkdist._node.detached import failures_in
+from sparkdist._wire.payload import Outcome, loads
+
+
+def caller_stop_error(cause: StopCause | None, reason: str) -> BaseException:
+    """What the caller gets for a run it stopped, or that ran out of time."""
+    if cause is StopCause.TIMED_OUT:
+        return RunTimeoutError(reason)
+    if cause is StopCause.START_TIMED_OUT:
+        return RendezvousError(reason)
+    return concurrent.futures.CancelledError("the run was cancelled; every rank was stopped")
+
+
+def stage_failure(
+    error: BaseException,
+    state: RunState,
+    failure_codes: Mapping[int, int],
+    *,
+    in_process: bool = False,
+) -> BaseException:
+    """The agents' side itself failed (an executor died, a task raised before its agent ran,
+    a detached node reported its ranks' failures in its task error)."""
+    if isinstance(error, (ClusterError, WorkerFailedError)):
+        return error
+    detached = {f.rank: f for f in failures_in(str(error))}
+    if detached:
+        failed = WorkerFailedError(detached, detached[root_of(detached, state, {})])
+        failed.__cause__ = error
+        return failed
+    summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    failures = {
+        rank: RankFailure(
+            rank=rank,
+            host="",
+            exit_code=failure_codes.get(rank),
+            exc_type="",
+            message=f"failed; its details were lost with the Spark stage ({summary})",
+        )
+        for rank in state.failed_ranks
+    }
+    per_node = state.world_size // max(state.num_nodes, 1)
+    for node in state.lost_nodes:
+        host = state.node_hosts.get(node, "")
+        for rank in range(node * per_node, (node + 1) * per_node):
+            failures.setdefault(
+                rank,
+                RankFailure(
+                    rank=rank,
+                    host=host,
+                    exit_code=None,
+                    exc_type="",
+                    message=f"lost with its node {node} (the executor or its Python worker died): "
+                    f"{summary}",
+                ),
+            )
+    if failures:
+        failed = WorkerFailedError(failures, failures[root_of(failures, state, {})])
+        failed.__cause__ = error
+        return failed
+    if in_process:
+        where, hint = "the local agent", "the traceback below has the cause"
+    else:
+        where, hint = "the Spark barrier stage", "see the executor logs for the cause"
+    cluster = ClusterError(f"{where} failed before the ranks reported: {summary}; {hint}")
+    cluster.__cause__ = error
+    return cluster
+
+
+def failure_error(
+    failures: dict[int, RankFailure], state: RunState, by_rank: dict[int, Outcome]
+) -> WorkerFailedError:
+    """The error for ranks that failed (their own failures first), its cause the root's."""
+    # Ranks sparkdist stopped because the run was ending are consequences, reported only
+    # when nobody failed on their own.
+    own = {r: f for r, f in failures.items() if not (r in by_rank and by_rank[r].aborted)}
+    failures = own or failures
+    error = WorkerFailedError(failures, failures[root_of(failures, state, by_rank)])
+    original = error.root_cause.exception_bytes
+    if original is not None:
+        try:
+            cause = loads(original)
+        except Exception:  # noqa: BLE001 - the exception's class may not exist here
+            cause = None
+        if isinstance(cause, BaseException):
+            error.__cause__ = cause
+    return error
+
+
+def root_of(
+    failures: Mapping[int, RankFailure], state: RunState, by_rank: Mapping[int, Outcome]
+) -> int:
+    """The root cause among ``failures``, by the ranks' own timestamps (``root_cause``)."""
+    timings = []
+    for rank, failure in failures.items():
+        outcome = by_rank.get(rank)
+        ended_at = outcome.ended_at if outcome is not None else 0.0
+        timings.append(
+            FailureTiming(
+                rank=rank,
+                failed_at=failure.failed_at,
+                ended_at=ended_at or state.failure_seen_at.get(rank, 0.0),
+                aborted=outcome.aborted if outcome is not None else False,
+                hung_since=state.hung_since.get(rank),
+            )
+        )
+    return root_cause(timings)
