@@ -235,7 +235,14 @@ def rank_processes(session_marker: str) -> list[RankProcess]:
     children: dict[int, list[_Process]] = {}
     for proc in table:
         children.setdefault(proc.ppid, []).append(proc)
-    pending = [child for pid in zygotes for child in children.get(pid, [])]
+    # A zygote's child still under the zygote's own name was forked a moment ago and has not
+    # named itself a spare yet: it belongs to the pool too.
+    pending = [
+        child
+        for pid in zygotes
+        for child in children.get(pid, [])
+        if child.name != ours[pid].name
+    ]
     while pending:
         proc = pending.pop()
         if proc.name == SPARE_NAME:

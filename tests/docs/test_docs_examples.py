@@ -11,18 +11,23 @@ default) with the store in a temp dir, and a temp dir as the working directory.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR, rank_processes
 from tests.docs._blocks import REPO, Block, DocsTestError, How, all_blocks, blocks_of
 
 RUNNER = Path(__file__).resolve().parent / "_run_blocks.py"
@@ -41,9 +46,16 @@ def _collect() -> list[Block]:
 BLOCKS = _collect()
 
 
-def docs_env(workdir: Path) -> dict[str, str]:
+def docs_env(workdir: Path, marker: str = "") -> dict[str, str]:
+    """A reader's environment for a runner in ``workdir``; with ``marker``, its runs' processes
+    carry a marker and its run directories a temp dir of their own: the two runners overlap the
+    tests around them, whose leftover checks must not take the runners' live runs for strays
+    (nor kill them). The runner's own leftovers are checked once it ended (``GroupRun``)."""
     env = dict(os.environ)
     env.pop("SPARKDIST_MLFLOW", None)  # the test suite turns tracking off; a reader has it on
+    if marker:
+        (workdir / "tmp").mkdir(exist_ok=True)
+        env.update({SESSION_MARKER_VAR: marker, "TMPDIR": str(workdir / "tmp")})
     env.update(
         SPARK_LOCAL_IP="127.0.0.1",
         PYSPARK_PYTHON=sys.executable,
@@ -63,8 +75,9 @@ class GroupRun:
         spec.write_text(json.dumps([{"id": b.id, "stem": b.stem, "source": b.source,
                                      "how": b.how.value} for b in blocks]), encoding="utf-8")
         command = [sys.executable, str(RUNNER), str(spec), str(self.report)]
+        self.workdir, self.marker = workdir, uuid.uuid4().hex
         self.proc = subprocess.Popen(command + (["--spark"] if spark else []), cwd=workdir,
-                                     env=docs_env(workdir), stdout=subprocess.PIPE,
+                                     env=docs_env(workdir, self.marker), stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.result: dict[str, Any] | None = None
 
@@ -85,8 +98,22 @@ class GroupRun:
                 outcome = json.loads(line)
                 outcomes[outcome["id"]] = outcome
         self.result = {"outcomes": outcomes, "log": log.decode(errors="replace"),
-                       "timed_out": timed_out, "returncode": self.proc.returncode}
+                       "timed_out": timed_out, "returncode": self.proc.returncode,
+                       "leftovers": [] if timed_out else self._leftovers()}
         return self.result
+
+    def _leftovers(self) -> list[str]:
+        """What the runner's runs left behind once it ended: processes (killed here), and run
+        directories (the suite's own check, for this runner's marker and temp dir)."""
+        deadline = time.monotonic() + 2.0
+        while rank_processes(self.marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        survivors = rank_processes(self.marker)
+        for proc in survivors:
+            with contextlib.suppress(OSError):
+                os.kill(proc.pid, signal.SIGKILL)
+        dirs = glob.glob(str(self.workdir / "tmp" / "sparkdist-*"))
+        return [f"process {proc}" for proc in survivors] + [f"run directory {d}" for d in dirs]
 
     def kill(self) -> None:
         if self.result is None:
@@ -147,6 +174,7 @@ def test_docs_block_runs(block: Block, groups: _Groups) -> None:
     if outcome["error"] is not None:
         pytest.fail(f"{block.id} raised:\n{outcome['error']}\nrunner output:\n"
                     f"{_tail(group['log'], 30)}")
+    assert not group["leftovers"], f"the docs runner's runs left: {group['leftovers']}"
 
 
 # -- the checker itself -------------------------------------------------------------------

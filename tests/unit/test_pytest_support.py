@@ -71,9 +71,10 @@ def test_leftovers_are_this_sessions_ranks_and_what_they_started(
         _proc(10, 1, {**ours, "SPARKDIST_RUN_ID": "r1"}),          # cold rank
         _proc(11, 10, {**ours, "SPARKDIST_RUN_ID": "r1"}),         # its child
         _proc(20, 1, {**ours, "SPARKDIST_ZYGOTE": "1"}),           # our pool: not a leftover
-        _proc(21, 20, {**ours, "SPARKDIST_ZYGOTE": "1"}),          # forked rank (zygote's env)
+        _proc(21, 20, {**ours, "SPARKDIST_ZYGOTE": "1"}, name="sparkdist-r0"),  # forked rank
         _proc(22, 21, {**ours, "SPARKDIST_ZYGOTE": "1"}),          # ... and its child
         _proc(23, 20, {**ours, "SPARKDIST_ZYGOTE": "1"}, name="sparkdist-spare"),  # parked
+        _proc(24, 20, {**ours, "SPARKDIST_ZYGOTE": "1"}),          # a spare not named yet
         _proc(30, 1, {**theirs, "SPARKDIST_RUN_ID": "r2"}),        # another session's rank
         _proc(40, 1, {**theirs, "SPARKDIST_ZYGOTE": "1"}),         # another session's pool
         _proc(41, 40, {**theirs, "SPARKDIST_ZYGOTE": "1"}),        # ... and its rank
