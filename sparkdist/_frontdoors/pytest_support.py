@@ -238,10 +238,7 @@ def rank_processes(session_marker: str) -> list[RankProcess]:
     # A zygote's child still under the zygote's own name was forked a moment ago and has not
     # named itself a spare yet: it belongs to the pool too.
     pending = [
-        child
-        for pid in zygotes
-        for child in children.get(pid, [])
-        if child.name != ours[pid].name
+        child for pid in zygotes for child in children.get(pid, []) if child.name != ours[pid].name
     ]
     while pending:
         proc = pending.pop()
