@@ -110,6 +110,10 @@ def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, script):
 
 @pytest.mark.spark
 @pytest.mark.cluster
+# Slow (three JVMs, ~18 s): the default run has the CLI on a cluster master
+# (test_cluster_jobs' standalone cluster), a rank failing on an executor
+# (test_local_cluster), and the CLI's exit codes (above).
+@pytest.mark.slow
 def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_path, script):
     done = sparkdist(
         "run", "-n", "2", "--master", "local-cluster[2,1,1024]", "--cpu",
