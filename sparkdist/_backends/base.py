@@ -3,7 +3,7 @@
 A backend answers, for one launch: where the ranks go (``place``: it reads the cluster and
 refuses what cannot run), what the nodes must have and get (``requirements``, ``rank_env``,
 ``visible_code_dirs``), how the job and the channel reach them (``ships_large_jobs``,
-``channel_port``) and how the agents of one attempt start and stop (``start``, returning the
+``detached``) and how the agents of one attempt start and stop (``start``, returning the
 ``RunningAgents``). Events stream back through the control channel, the same for every
 backend. The engine never asks which backend it has.
 
@@ -100,6 +100,8 @@ class Backend(Protocol):
     driver_host: str
     #: Whether a large job travels as a file (Spark) rather than in each agent's spec.
     ships_large_jobs: bool
+    #: Whether the agents run without the control channel (they rendezvous through Spark).
+    detached: bool
 
     def place(self, config: LaunchConfig) -> Placement:
         """Read the cluster and cut the world into nodes; refuse what cannot run."""
@@ -118,10 +120,6 @@ class Backend(Protocol):
 
     def visible_code_dirs(self) -> Sequence[str]:
         """Directories the ranks already import from (their code is not shipped)."""
-        ...
-
-    def channel_port(self, server_port: int) -> int:
-        """The channel port the agents get (0: no channel; rendezvous through Spark)."""
         ...
 
     def start(

@@ -35,6 +35,7 @@ class LocalBackend:
     kind = BackendKind.LOCAL
     driver_host = LOOPBACK
     ships_large_jobs = False
+    detached = False
 
     def __init__(self, session: Any | None = None) -> None:
         self.session = session if session is not None else spark_driver.active_session()
@@ -73,9 +74,6 @@ class LocalBackend:
 
     def visible_code_dirs(self) -> Sequence[str]:
         return self._python_path.get("PYTHONPATH", "").split(os.pathsep)
-
-    def channel_port(self, server_port: int) -> int:
-        return server_port
 
     def start(
         self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]

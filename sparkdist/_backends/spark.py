@@ -53,6 +53,9 @@ class SparkBackend:
         self.dataframe = dataframe
         self._ignore_ssl_key = ignore_ssl_key
         self.driver_host = ""
+        # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
+        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
+        self.detached = off
 
     def place(self, config: LaunchConfig) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
@@ -75,12 +78,6 @@ class SparkBackend:
 
     def visible_code_dirs(self) -> Sequence[str]:
         return ()
-
-    def channel_port(self, server_port: int) -> int:
-        """0 tells the agents to run detached when ``SPARKDIST_CONTROL_CHANNEL=off`` says
-        the executors cannot reach this process; they rendezvous through Spark instead."""
-        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
-        return 0 if off else server_port
 
     def start(
         self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]

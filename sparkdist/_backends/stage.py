@@ -150,18 +150,21 @@ def _barrier_task(
         job_file=executor_path(template.job_file),
     )
     outcomes = run_agent(spec, batches, all_gather=context.allGather)
-    _drop_job_copy(spec, context)
+    _drop_job_copy(spec, context, succeeded=all(o.failure is None for o in outcomes))
     for outcome in outcomes:
         yield cloudpickle.dumps(outcome)
 
 
-def _drop_job_copy(spec: AgentSpec, context: Any) -> None:
+def _drop_job_copy(spec: AgentSpec, context: Any, *, succeeded: bool) -> None:
     """Remove this executor's copy of a large job (Spark leaves what ``addFile`` fetched in
-    the executor's work directory for good) once no later attempt of the run can read it."""
-    if spec.job_file is None or spec.restart_count < spec.max_restarts:
-        return  # a restart may run here again; the last attempt removes it
-    # Tasks may share the copy (local[n] runs them in one process): once every task is here,
-    # every rank of the run has loaded it.
-    context.barrier()
+    the executor's work directory for good) once no later attempt of the run can read it:
+    after the last attempt, or after one where every task's ranks succeeded (no restart)."""
+    if spec.job_file is None:
+        return
+    # Every task meets here. Tasks may share the copy (local[n] runs them in one process), so
+    # it goes only once every rank of the run has loaded it.
+    verdicts = context.allGather("ok" if succeeded else "failed")
+    if "failed" in verdicts and spec.restart_count < spec.max_restarts:
+        return  # a restart may run here again
     with contextlib.suppress(OSError):
         os.remove(spec.job_file)

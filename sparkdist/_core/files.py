@@ -25,7 +25,7 @@ import shutil
 import socket
 import stat
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO
 
 #: Modes of what sparkdist creates (the umask can only take bits away from these).
@@ -211,3 +211,27 @@ def _host_tag() -> str:
     """8 hex digits for this host: a pid is only meaningful on the host that issued it (a temp
     directory can be shared, by a network home or by containers)."""
     return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+#: Longest AF_UNIX path the kernel takes (108 bytes with its terminating NUL on Linux).
+MAX_SOCKET_PATH_BYTES = 107
+
+
+@contextlib.contextmanager
+def unix_socket_address(path: str) -> Iterator[str]:
+    """An address for binding or connecting to the socket at ``path``, whatever its length.
+
+    A long TMPDIR (a pytest ``tmp_path``, a cluster's scratch path) puts a private
+    directory's socket past the kernel's limit for AF_UNIX paths; it is then reached through
+    an open descriptor of its directory (``/proc/self/fd/N/name``), which keeps the
+    directory's 0700 protection. (An abstract socket would have no length limit and no
+    permissions: any local user could connect.)
+    """
+    if len(os.fsencode(path)) <= MAX_SOCKET_PATH_BYTES or not os.path.isdir("/proc/self/fd"):
+        yield path
+        return
+    directory = os.open(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{directory}/{os.path.basename(path)}"
+    finally:
+        os.close(directory)

@@ -66,9 +66,7 @@ class DistributedRun(Generic[T]):
         has started the function yet: their rendezvous waits for it) and when tracking is
         off. The same id as ``run_result().mlflow_run_id`` and each rank's ``MLFLOW_RUN_ID``.
         """
-        # The launch's tracker knows it as soon as MLflow made the run (a sibling module's
-        # attribute: both are the engine's insides).
-        return self._launch._tracker.mlflow_run_id
+        return self._launch.mlflow_run_id
 
     def result(self, timeout: float | None = None) -> T:
         """Wait for the run and return what the front door's blocking call would have.

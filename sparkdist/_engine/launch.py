@@ -39,6 +39,7 @@ from sparkdist._core.plan import LaunchPlan, make_plan
 from sparkdist._core.result import RunResult
 from sparkdist._core.run_state import Deadlines
 from sparkdist._core.versions import expected_requirements
+from sparkdist._engine.rank_lines import warn_lines_dropped
 from sparkdist._engine.supervisor import (
     ABORT_GRACE_S,
     RunMonitor,
@@ -217,7 +218,7 @@ class Launch:
             placement.world_size,
             placement.num_tasks,
             deadlines,
-            detached=self._backend.channel_port(1) == 0,
+            detached=self._backend.detached,
             expects_rows=self._dataframe is not None,
         )
         self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
@@ -225,7 +226,7 @@ class Launch:
         monitor.server = server
         template = dataclasses.replace(
             self._template,
-            channel_address=(host, self._backend.channel_port(server.port)),
+            channel_address=(host, 0 if self._backend.detached else server.port),  # 0: no channel
             secret=secret,
             restart_count=restart_count,
         )
@@ -289,6 +290,11 @@ class Launch:
         if self._job_file is not None:
             self._job_file.remove()
             self._job_file = None
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run, as soon as MLflow made it (None before, and with tracking off)."""
+        return self._tracker.mlflow_run_id
 
     def done(self) -> bool:
         """True once the run ended (every rank has exited)."""
@@ -359,11 +365,7 @@ class _Attempt:
     def close(self) -> None:
         self.server.close()
         if self.monitor.dropped:
-            logger.warning(
-                "sparkdist: %d output line(s) of the ranks were dropped because the driver "
-                "fell behind",
-                self.monitor.dropped,
-            )
+            warn_lines_dropped(self.monitor.dropped)
 
 
 def launch(

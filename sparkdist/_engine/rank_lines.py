@@ -58,6 +58,14 @@ def print_rank_line(message: Log) -> None:
             pass  # the driver's own output is gone; training goes on
 
 
+def warn_lines_dropped(count: int) -> None:
+    """Say that ``count`` lines of the ranks never reached the driver (it fell behind)."""
+    logger.warning(
+        "sparkdist: %d output line(s) of the ranks were dropped because the driver fell behind",
+        count,
+    )
+
+
 def warn_output_unconfirmed(nodes: list[int], waited_s: float) -> None:
     """Say that ``nodes`` never confirmed their ranks' output was complete (no bye)."""
     logger.warning(

@@ -38,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+from sparkdist._core.files import unix_socket_address
 from sparkdist._node.parent_death import die_with_parent
 
 _HEADER = struct.Struct(">I")
@@ -72,7 +73,8 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(socket_path)
+    with unix_socket_address(socket_path) as address:
+        listener.bind(address)
     listener.listen(64)
     server = _Server(listener)
     sys.stdout.write("ready\n")

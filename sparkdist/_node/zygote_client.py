@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import IO
 
 from sparkdist._core.env import ZYGOTE_VAR
-from sparkdist._core.files import make_owned_dir
+from sparkdist._core.files import make_owned_dir, unix_socket_address
 from sparkdist._node.rank_process import RankProcess, python_command
 
 #: How long a zygote may take to import torch and start listening.
@@ -101,7 +101,8 @@ class Zygote:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.settimeout(FORK_ANSWER_TIMEOUT_S)  # a stuck zygote's full backlog blocks too
-            conn.connect(self.socket_path)
+            with unix_socket_address(self.socket_path) as address:
+                conn.connect(address)
             body = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode()
             socket.send_fds(conn, [len(body).to_bytes(4, "big")], [out_write, err_write, *ctrl_fds])
             conn.sendall(body)

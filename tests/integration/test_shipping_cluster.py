@@ -105,14 +105,25 @@ def test_a_mismatched_requirement_fails_before_any_rank_starts(spark_cluster):
     assert not run_processes()
 
 
-def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(spark_cluster, caplog):
+# The executors' copies go after the last attempt, or after one that succeeded with restarts
+# left (no attempt follows); a failed attempt leaves them for the restart, which reads them.
+@pytest.mark.parametrize(("max_restarts", "fail_once"), [(0, False), (1, False), (1, True)],
+                         ids=["no restarts", "succeeds with restarts left", "fails once"])
+def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(
+    spark_cluster, caplog, max_restarts, fail_once
+):
     caplog.set_level(logging.WARNING, logger="sparkdist")
     data = np.arange(1_500_000, dtype=np.float64)  # 11.4 MB
 
     def train():
+        from sparkdist import runtime
+
+        if fail_once and runtime.restart_count() == 0 and runtime.get_global_rank() == 1:
+            raise RuntimeError("the first attempt fails")
         return float(data[-1])
 
-    result = Distributor(2, local_mode=False, use_gpu=False, job_size_warn_mb=5).run_all(train)
+    result = Distributor(2, local_mode=False, use_gpu=False, job_size_warn_mb=5,
+                         max_restarts=max_restarts).run_all(train)
     assert result.values == [1_499_999.0, 1_499_999.0]
     [warning] = [r.getMessage() for r in caplog.records if "job_size_warn_mb=5" in r.getMessage()]
     assert "variable 'data' captured by" in warning and "numpy.ndarray, 11.4 MB" in warning

@@ -153,3 +153,19 @@ def test_a_failed_pool_start_leaves_no_directory_and_runs_cold(monkeypatch):
     assert view["ppid"] == os.getpid() and view["name"] != "sparkdist-r0"  # cold
     assert _pool.zygote_count() == 0
     assert pool_dirs() <= before
+
+
+def test_a_temp_dir_too_long_for_a_socket_path_keeps_the_pool_warm(tmp_path, monkeypatch):
+    """The zygote's socket lives in a private directory under TMPDIR; past the kernel's
+    AF_UNIX path limit (108 bytes) it is reached through a descriptor of that directory, so a
+    long TMPDIR (a pytest tmp_path, a cluster's scratch path) does not silently cost every
+    run a cold start."""
+    long_tmp = tmp_path / ("t" * 60) / ("u" * 40)
+    long_tmp.mkdir(parents=True)
+    monkeypatch.setenv("TMPDIR", str(long_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    _pool.shutdown()
+    view = Distributor(1, use_gpu=False).run(rank_view)
+    assert view["name"] == "sparkdist-r0" and view["ppid"] != os.getpid()  # forked: warm
+    [pool_dir] = glob.glob(str(long_tmp / "sparkdist_pool-*"))
+    assert len(os.path.join(pool_dir, "zygote.sock")) > 108

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import pickle
 import stat
 import subprocess
@@ -318,3 +319,23 @@ def test_owned_directories_are_private_and_named_for_the_sweep(tmp_path):
     for kind in ("Job-1", "run"):
         with pytest.raises(ValueError, match="lower-case letters"):
             files.make_owned_dir(kind, "abc123", str(tmp_path))
+
+
+def test_a_socket_past_the_path_limit_is_reached_through_its_directory(tmp_path):
+    directory = tmp_path / ("d" * 80) / ("e" * 40)
+    directory.mkdir(parents=True, mode=0o700)
+    path = str(directory / "zygote.sock")
+    assert len(path) > files.MAX_SOCKET_PATH_BYTES
+    with socket.socket(socket.AF_UNIX) as direct, pytest.raises(OSError, match="too long"):
+        direct.bind(path)  # what the kernel says without the detour
+    with socket.socket(socket.AF_UNIX) as server, socket.socket(socket.AF_UNIX) as client:
+        with files.unix_socket_address(path) as address:
+            assert len(address) <= files.MAX_SOCKET_PATH_BYTES
+            server.bind(address)
+        server.listen()
+        assert os.path.exists(path)  # the socket is where it was asked, in the private dir
+        with files.unix_socket_address(path) as address:
+            client.connect(address)
+    short = str(tmp_path / "s.sock")
+    with files.unix_socket_address(short) as address:
+        assert address == short  # a short path is used as it is
