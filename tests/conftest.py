@@ -39,6 +39,10 @@ tempfile.tempdir = None  # re-read TMPDIR
 REPO = Path(__file__).resolve().parent.parent
 FAKE_GPU_SCRIPT = REPO / "conf" / "fakeGpusResources.sh"
 LOCAL_CLUSTER = "local-cluster[2,1,1024]"
+#: JVM flags for the tests' short-lived JVMs, the shared sessions' too: start-up matters, peak
+#: speed does not. C1 only and the serial collector start about twice as fast on a busy 2-core
+#: box (the standalone cluster test: 43-53 s against 85-92 s).
+FAST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 _session: dict[str, Any] = {}
 
@@ -64,6 +68,8 @@ def spark_session(master: str) -> Any:
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
         .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
+        .config("spark.driver.extraJavaOptions", FAST_JVM_OPTIONS)
+        .config("spark.executor.extraJavaOptions", FAST_JVM_OPTIONS)
     )
     if master.startswith("local-cluster"):
         # Each executor advertises 2 fake GPUs and every task takes 1: GPU placement can be

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import psutil
 
-#: JVM flags for short-lived test JVMs: C1 only and the serial GC start about twice as fast on
-#: a busy 2-core box (measured here: 43-53 s against 85-92 s for the standalone cluster test).
-FAST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+from tests.conftest import FAST_JVM_OPTIONS
+
 CLUSTER_MARK_VAR = "SPARKDIST_TEST_CLUSTER"
 WORKER_NAME_VAR = "SPARKDIST_TEST_WORKER"
 _MASTER_URL = re.compile(r"Starting Spark master at (spark://\S+)")

@@ -50,7 +50,7 @@ def driver_env(**extra: str) -> dict[str, str]:
 def test_spark_submit_runs_the_example_job_on_local_cluster(tmp_path):
     log4j = REPO / "conf" / "log4j2.properties"
     done = subprocess.run(
-        [str(spark_home() / "bin" / "spark-submit"), "--master", "local-cluster[2,1,1024]",
+        [str(spark_home() / "bin" / "spark-submit"), "--master", "local-cluster[1,2,1024]",
          "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
          "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
          "--driver-java-options", f"-Dlog4j2.configurationFile=file:{log4j} {FAST_JVM_OPTIONS}",

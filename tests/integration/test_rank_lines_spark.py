@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.conftest import FAST_JVM_OPTIONS
+
 pytestmark = pytest.mark.spark
 
 STEPS = 10
@@ -25,6 +27,7 @@ DRIVER = textwrap.dedent(f"""
 
     spark = (SparkSession.builder.master("local[2]")
              .config("spark.ui.showConsoleProgress", "true")
+             .config("spark.driver.extraJavaOptions", "{FAST_JVM_OPTIONS}")
              .config("spark.ui.enabled", "false").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
 

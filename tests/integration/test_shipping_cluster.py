@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from sparkdist import ClusterError, ConfigError, Distributor
-from tests.conftest import run_processes
+from tests.conftest import FAST_JVM_OPTIONS, run_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
@@ -192,8 +192,12 @@ _PACKED_ENV_JOB = """
 import json, os, sys
 os.environ["PYSPARK_PYTHON"] = "./environment/bin/python"  # the unpacked archive's Python
 from pyspark.sql import SparkSession
-spark = (SparkSession.builder.master("local-cluster[2,1,1024]")
+# One executor (two slots) is enough to show the archive's Python running the ranks.
+fast = sys.argv[2]
+spark = (SparkSession.builder.master("local-cluster[1,2,1024]")
          .config("spark.archives", sys.argv[1] + "#environment")
+         .config("spark.driver.extraJavaOptions", fast)
+         .config("spark.executor.extraJavaOptions", fast)
          .config("spark.executor.memory", "768m").config("spark.ui.enabled", "false")
          .config("spark.ui.showConsoleProgress", "false")
          .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1").getOrCreate())
@@ -238,7 +242,8 @@ def test_a_packed_environment_shipped_with_spark_archives_runs_the_ranks(tmp_pat
     venv_pack.pack(prefix=str(env_dir), output=str(archive))
     script = tmp_path / "job.py"
     script.write_text(_PACKED_ENV_JOB)
-    done = subprocess.run([sys.executable, str(script), str(archive)], check=False,
+    done = subprocess.run([sys.executable, str(script), str(archive), FAST_JVM_OPTIONS],
+                          check=False,
                           capture_output=True, text=True, timeout=240,
                           env={**os.environ, "SPARKDIST_MLFLOW": "0"})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -110,7 +110,15 @@ def _stopped_zygote():
     return zygote.process.pid
 
 
-def test_a_stuck_zygote_fails_only_the_start_it_delays(tmp_path):
+@pytest.fixture
+def short_fork_answer(monkeypatch):
+    """A frozen zygote is given up sooner than in production (a healthy one answers in ms)."""
+    from sparkdist._node import zygote_client
+
+    monkeypatch.setattr(zygote_client, "FORK_ANSWER_TIMEOUT_S", 2.5)
+
+
+def test_a_stuck_zygote_fails_only_the_start_it_delays(tmp_path, short_fork_answer):
     """A frozen zygote: the rank that asked it starts cold after FORK_ANSWER_TIMEOUT_S, the
     zygote is retired (and ended: no rank of it is left), and the run succeeds."""
     frozen = _stopped_zygote()
@@ -125,7 +133,7 @@ def test_a_stuck_zygote_fails_only_the_start_it_delays(tmp_path):
     assert again["name"] == "sparkdist-r0" and again["ppid"] != frozen
 
 
-def test_a_stuck_zygote_and_a_short_start_timeout_name_the_stage(tmp_path):
+def test_a_stuck_zygote_and_a_short_start_timeout_name_the_stage(tmp_path, short_fork_answer):
     """start_timeout_s counts from submission: a start stuck in the warm pool ends the run in
     time, with an error naming the stage, and leaves no process (checked after every test)."""
     _stopped_zygote()
