@@ -164,18 +164,13 @@ class SparkSessions:
             "spark.driver.bindAddress": "127.0.0.1",
             "spark.executorEnv.SPARK_LOCAL_IP": "127.0.0.1",
             "spark.sql.shuffle.partitions": "2",
+            "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
         }
-        quiet = f"-Dlog4j2.configurationFile=file:{log_conf}"
         cluster = re.fullmatch(r"local-cluster\[\s*\d+\s*,\s*\d+\s*,\s*(\d+)\s*\]", self.master)
         if cluster is not None:
             # Each worker of local-cluster[n,cores,MB] offers MB; an executor must fit in it.
             conf["spark.executor.memory"] = f"{int(cluster.group(1)) * 3 // 4}m"
         conf.update(self.extra_conf)
-        # The user's own JVM flags (sparkdist_spark_conf) keep the session quiet, unless they
-        # name a log4j2 configuration of their own.
-        options = conf.get("spark.driver.extraJavaOptions", "")
-        if "log4j2.configurationFile" not in options:
-            conf["spark.driver.extraJavaOptions"] = f"{quiet} {options}".strip()
         return create_session(self.master, conf, app_name="sparkdist-pytest", log_level="ERROR")
 
     def stop(self) -> None:

@@ -16,8 +16,6 @@ import xml.etree.ElementTree as ET
 import psutil
 import pytest
 
-from tests.conftest import FAST_JVM_OPTIONS
-
 pytest_plugins = ["pytester"]
 
 TAG_VAR = "SPARKDIST_PLUGIN_TEST_TAG"
@@ -229,9 +227,6 @@ def test_spark_mode_option_switches_the_launcher(pytester: pytest.Pytester, tagg
 
     result = pytester.runpytest_subprocess(
         "--sparkdist-mode=spark", "-rA", "-p", "no:cacheprovider", "-s",
-        # The user's JVM flags (here: a faster start) and the plugin's quiet log4j2 file both
-        # apply: the "quiet" assertion below holds with them.
-        "-o", f"sparkdist_spark_conf=spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
         # The left-behind check is the same code in both modes; spare the time here.
         "-k", "not left_behind", timeout=300,
     )
