@@ -34,6 +34,8 @@ from sparkdist._wire.payload import loads
 logger = logging.getLogger("sparkdist")
 
 _warned: set[str] = set()
+#: Values of SPARKDIST_CONTROL_CHANNEL that turn the channel off.
+_OFF = ("0", "off", "false")
 
 
 class SparkBackend:
@@ -54,8 +56,7 @@ class SparkBackend:
         self._ignore_ssl_key = ignore_ssl_key
         self.driver_host = ""
         # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
-        off = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in ("0", "off", "false")
-        self.detached = off
+        self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
 
     def place(self, config: LaunchConfig) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))

@@ -101,12 +101,18 @@ def test_only_typed_records_travel_and_each_only_its_way(served):
     client.close()
 
 
+def _post_lines(client: ChannelClient, count: int) -> list[protocol.Log]:
+    """Post ``count`` output lines (each must be queued, none dropped); return them."""
+    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(count)]
+    for line in lines:
+        assert client.post(line)
+    return lines
+
+
 def test_messages_keep_their_order_and_control_goes_first(served):
     server, secret, inbox = served
     client = _client(server, secret)
-    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(2000)]
-    for line in lines:
-        assert client.post(line)
+    lines = _post_lines(client, 2000)
     assert client.flush(WAIT_S)
     client.send(protocol.Bye(node=0))
     assert inbox.wait_for(lambda i: len(i.messages) == 2001)
@@ -120,9 +126,7 @@ def test_a_goodbye_sent_after_the_posted_lines_never_overtakes_them(served):
     # driver stops reading the node's output before its last lines.
     server, secret, inbox = served
     client = _client(server, secret)
-    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(2000)]
-    for line in lines:
-        assert client.post(line)
+    lines = _post_lines(client, 2000)
     client.send(protocol.Rows({0: 1}))  # control: ahead of what is still queued
     client.send(protocol.Bye(node=0), after_posted=True)  # no flush first: still queued
     assert inbox.wait_for(lambda i: len(i.messages) == 2002)
