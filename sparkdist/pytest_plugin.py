@@ -129,6 +129,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line("markers", "multi_gpu(n): needs n CUDA GPUs (skipped where fewer)")
     config.addinivalue_line(
+        "markers", "multihost: runs in a multi-host lab (the sparkdist_cluster fixture)"
+    )
+    config.addinivalue_line(
         "markers",
         "spark_cluster: runs its `distributed` runs in Spark "
         "mode on a local-cluster master (separate executor JVMs)",
@@ -255,6 +258,27 @@ def spark_fixture(request: pytest.FixtureRequest) -> Iterator[Any]:
         pytest.fail(str(exc), pytrace=False)
     yield session
     sessions.stop()
+
+
+@pytest.fixture(scope="session", name="sparkdist_cluster")
+def sparkdist_cluster_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A factory of multi-host labs: ``sparkdist_cluster(hosts=3)`` is a running ``LabCluster``.
+
+    Each lab is ``hosts`` hosts plus the driver's, every one its own network, mount and UTS
+    namespace on one bridge, inside a single ``unshare`` holder (no route out of the machine,
+    nothing survives it), with a Spark standalone cluster on them and a driver program that
+    runs code you send it. Tests asking the same shape share one lab; inject faults with
+    ``cluster.lab.kill_host(...)``, ``cut``/``heal``, and bring a host back with
+    ``cluster.restart_host(...)``. Skipped, with the reason, where the machine cannot hold one
+    (docs/testing.md).
+    """
+    from sparkdist._frontdoors.lab_fixture import ClusterFactory
+
+    factory = ClusterFactory(tmp_path_factory.mktemp("sparkdist-lab"))
+    try:
+        yield factory
+    finally:
+        factory.close()
 
 
 @pytest.fixture(name="no_rank_leftovers")

@@ -214,6 +214,8 @@ def _processes() -> list[dict[str, Any]]:
             netns = _netns_of(pid)
             with open(f"/proc/{pid}/stat", "rb") as stat:
                 fields = stat.read().rsplit(b")", 1)[1].split()
+            with open(f"/proc/{pid}/comm", "rb") as comm:
+                name = comm.read().strip().decode(errors="replace")
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 argv = cmdline.read().split(b"\0")
             with open(f"/proc/{pid}/environ", "rb") as environ:
@@ -226,6 +228,7 @@ def _processes() -> list[dict[str, Any]]:
             {
                 "pid": pid,
                 "ppid": int(fields[1]),
+                "name": name,
                 "netns": netns,
                 "argv": [a.decode(errors="replace") for a in argv if a],
                 "env_names": [n for n in env_names if n],

@@ -135,10 +135,16 @@ class Lab:
         self.hosts[name] = host
         return host
 
-    def add_hosts(self, count: int, resolution: NameResolution = NameResolution.PEERS) -> list[Host]:
-        """The driver's host (its name well resolved) and ``count`` others, ``host1`` onwards."""
+    def add_hosts(self, count: int,
+                  resolution: NameResolution | list[NameResolution] = NameResolution.PEERS
+                  ) -> list[Host]:
+        """The driver's host (its name well resolved) and ``count`` others, ``host1`` onwards,
+        each host's own name resolved as ``resolution`` says (one for all, or one per host)."""
+        each = resolution if isinstance(resolution, list) else [resolution] * count
+        if len(each) != count:
+            raise ValueError(f"resolution names {len(each)} hosts, not {count}")
         planned = [self.plan("driver", 10)] + [
-            self.plan(f"host{i}", _FIRST_HOST + i - 1, resolution) for i in range(1, count + 1)
+            self.plan(f"host{i}", _FIRST_HOST + i - 1, each[i - 1]) for i in range(1, count + 1)
         ]
         return [self.add_host(h.name, h.index, h.resolution) for h in planned]
 
@@ -223,9 +229,24 @@ class Lab:
         return self._holder.call("processes", host=host)["processes"]  # type: ignore[no-any-return]
 
     def rank_processes(self, host: str | None = None) -> list[dict[str, Any]]:
-        """Processes of a sparkdist run on a host: ranks, warm-pool zygotes and their spares."""
-        return [p for p in self.processes(host)
-                if "SPARKDIST_RUN_ID" in p["env_names"] or "SPARKDIST_ZYGOTE" in p["env_names"]]
+        """Processes of sparkdist runs on a host: ranks (cold ones carry their run's id; one
+        forked by a warm pool is named ``sparkdist-r<rank>``) and whatever they started.
+        A pool's zygote and its parked spares are the pool's, not a run's."""
+        rows = self.processes(host)
+        children: dict[int, list[dict[str, Any]]] = {}
+        for row in rows:
+            children.setdefault(row["ppid"], []).append(row)
+        found = {
+            p["pid"]: p for p in rows
+            if "SPARKDIST_RUN_ID" in p["env_names"] or p["name"].startswith("sparkdist-r")
+        }
+        pending = list(found.values())
+        while pending:
+            for child in children.get(pending.pop()["pid"], []):
+                if child["pid"] not in found:
+                    found[child["pid"]] = child
+                    pending.append(child)
+        return list(found.values())
 
     def wait_until_no_ranks(self, timeout_s: float, hosts: list[str] | None = None) -> list[dict[str, Any]]:
         """Wait for every rank of every run to be gone; the survivors, if any, after the wait."""

@@ -94,7 +94,9 @@ class LabCluster:
 
     lab: Lab
     workers: list[str]
-    cores: int = 1
+    #: Each Worker's cores: two, so that a second application (spark-submit, a Connect server)
+    #: finds executors while the driver's own holds one core per host (``spark.cores.max``).
+    cores: int = 2
     master: dict[str, Any] = field(default_factory=dict)
     worker_procs: dict[str, dict[str, Any]] = field(default_factory=dict)
     driver: DriverKernel | None = None
@@ -177,7 +179,9 @@ class LabCluster:
                 env=self.lab.env("driver", **env), pipes=True,
             )
             self.driver = DriverKernel(self.lab, reply["proc"], reply["pid"], log)
-            self.driver.check(session_code(MASTER_URL, conf or {}))
+            # One core per host: the rest is left for a second application.
+            cores = {"spark.cores.max": str(len(self.workers))}
+            self.driver.check(session_code(MASTER_URL, {**cores, **(conf or {})}))
             self.wait_for_executors(len(self.workers))
         return self.driver
 
@@ -208,8 +212,8 @@ class LabCluster:
             self.wait_for_executors(len(self.workers), timeout_s)
 
 
-def start_lab_cluster(directory: Path, hosts: int = 3, *, cores: int = 1,
-                      resolution: NameResolution = NameResolution.PEERS,
+def start_lab_cluster(directory: Path, hosts: int = 3, *, cores: int = 2,
+                      resolution: NameResolution | list[NameResolution] = NameResolution.PEERS,
                       timeout_s: float = 120.0) -> LabCluster:
     """A lab of ``hosts`` worker hosts plus the driver's, and a Spark cluster on it."""
     lab = Lab(directory, directory / "shared", mark=directory.name)

@@ -1,0 +1,49 @@
+"""The multi-host lab's shared cluster: three hosts plus the driver's, with host names that
+resolve badly (two to 127.0.1.1, one to a NIC on a network no peer shares), as on the clusters
+people actually have. One lab serves every test that does not break it; a test that kills a
+host brings it back.
+
+After every test, no process of any run is left on any host (checked through the lab's own
+view of every host's processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sparkdist._lab.lab import NameResolution
+from sparkdist._lab.spark import DriverKernel, LabCluster
+
+#: host1 and host3 as Debian writes /etc/hosts; host2's name on a NIC its peers cannot reach.
+MIXED_NAMES = [NameResolution.LOOPBACK, NameResolution.SIDE, NameResolution.LOOPBACK]
+#: How long a run's last processes may take to go, on any host, once run() has returned.
+LEFTOVER_GRACE_S = 10.0
+
+
+@pytest.fixture(scope="session")
+def lab_cluster(sparkdist_cluster: Any) -> LabCluster:
+    return sparkdist_cluster(hosts=3, resolution=MIXED_NAMES)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def lab_driver(lab_cluster: LabCluster) -> DriverKernel:
+    return lab_cluster.start_driver(SPARKDIST_MLFLOW="0")
+
+
+@pytest.fixture(autouse=True)
+def no_rank_left_on_any_host(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    if "lab_cluster" not in request.fixturenames:
+        return
+    cluster: LabCluster = request.getfixturevalue("lab_cluster")
+    left = cluster.lab.wait_until_no_ranks(LEFTOVER_GRACE_S)
+    if left:
+        for proc in left:
+            cluster.lab.signal(proc["pid"], 9)
+        listing = "\n".join(f"  {p['host']} pid {p['pid']}: {' '.join(p['argv'])[:150]}"
+                            for p in left)
+        pytest.fail(f"{len(left)} process(es) of a run outlived the test:\n{listing}",
+                    pytrace=False)
