@@ -275,6 +275,29 @@ def _link(state: _State, request: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def _delay(state: _State, request: dict[str, Any]) -> dict[str, Any]:
+    # The host's switch port moves to a bridge of its own, joined to the lab's bridge through
+    # two TAP devices and a relay that holds every frame for delay_ms (no netem needed).
+    host = state.hosts[request["host"]]
+    index = host.switch_port.removeprefix("v-")
+    own, near, far = f"br-{index}", f"ta-{index}", f"tb-{index}"
+    _sh("ip", "link", "add", own, "type", "bridge")
+    _sh("ip", "link", "set", own, "up")
+    for tap, bridge in ((near, own), (far, BRIDGE)):
+        _sh("ip", "tuntap", "add", "dev", tap, "mode", "tap")
+        _sh("ip", "link", "set", tap, "master", bridge, "up")
+    _sh("ip", "link", "set", host.switch_port, "master", own)
+    relay = subprocess.Popen(
+        [sys.executable, "-m", "sparkdist._lab.relay", near, far, str(request["delay_ms"])],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    with state.lock:
+        handle = state.next_proc
+        state.next_proc += 1
+        state.procs[handle] = relay
+    return {"proc": handle, "pid": relay.pid}
+
+
 def _write_file(state: _State, request: dict[str, Any]) -> dict[str, Any]:
     # A host's private files are reached through its init's root: /proc/PID/root resolves the
     # path in that process's mount namespace.
@@ -317,6 +340,7 @@ _OPS: dict[str, Callable[[_State, dict[str, Any]], dict[str, Any]]] = {
     "processes": _host_processes,
     "kill_host": _kill_host,
     "link": _link,
+    "delay": _delay,
     "write_file": _write_file,
     "read_file": _read_file,
     "list_dir": _list_dir,

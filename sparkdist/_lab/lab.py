@@ -269,6 +269,11 @@ class Lab:
     def heal(self, host: str) -> None:
         self._holder.call("link", host=host, up=True)
 
+    def delay(self, host: str, one_way_ms: float) -> None:
+        """Hold every frame to and from ``host`` for ``one_way_ms`` (a user-space relay: see
+        ``relay``). Between two hosts delayed by d each, the round trip grows by 4 d."""
+        self._holder.call("delay", host=host, delay_ms=one_way_ms)
+
     def signal(self, pid: int, signal: int) -> None:
         self._holder.call("signal", pid=pid, signal=signal)
 
