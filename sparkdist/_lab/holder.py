@@ -113,18 +113,35 @@ def _add_host(state: _State, request: dict[str, Any]) -> dict[str, Any]:
     host = _Host(name, init, _netns_of(init.pid), port)
     _sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", str(init.pid))
     _sh("ip", "link", "set", port, "master", BRIDGE, "up")
-    _sh("ip", "addr", "add", f"{request['address']}/{request['prefix']}", "dev", "eth0",
-        netns_pid=init.pid)
+    _sh(
+        "ip",
+        "addr",
+        "add",
+        f"{request['address']}/{request['prefix']}",
+        "dev",
+        "eth0",
+        netns_pid=init.pid,
+    )
     _sh("ip", "link", "set", "eth0", "up", netns_pid=init.pid)
     side = request.get("side_address")
     if side:
         # A second NIC on a network no peer shares: a veth whose other end sits on no bridge.
         host.side_port = f"x-{request['index']}"
-        _sh("ip", "link", "add", host.side_port, "type", "veth", "peer", "name", SIDE_NIC,
-            "netns", str(init.pid))
+        _sh(
+            "ip",
+            "link",
+            "add",
+            host.side_port,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            SIDE_NIC,
+            "netns",
+            str(init.pid),
+        )
         _sh("ip", "link", "set", host.side_port, "up")
-        _sh("ip", "addr", "add", f"{side}/{request['prefix']}", "dev", SIDE_NIC,
-            netns_pid=init.pid)
+        _sh("ip", "addr", "add", f"{side}/{request['prefix']}", "dev", SIDE_NIC, netns_pid=init.pid)
         _sh("ip", "link", "set", SIDE_NIC, "up", netns_pid=init.pid)
     with state.lock:
         state.hosts[name] = host
@@ -132,8 +149,16 @@ def _add_host(state: _State, request: dict[str, Any]) -> dict[str, Any]:
 
 
 def _host_command(host: _Host, argv: list[str], cwd: str) -> list[str]:
-    return ["nsenter", f"--target={host.init.pid}", "--net", "--mount", "--uts",
-            f"--wd={cwd}", "--", *argv]
+    return [
+        "nsenter",
+        f"--target={host.init.pid}",
+        "--net",
+        "--mount",
+        "--uts",
+        f"--wd={cwd}",
+        "--",
+        *argv,
+    ]
 
 
 def _exec(state: _State, request: dict[str, Any]) -> dict[str, Any]:
@@ -219,7 +244,9 @@ def _processes() -> list[dict[str, Any]]:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
                 argv = cmdline.read().split(b"\0")
             with open(f"/proc/{pid}/environ", "rb") as environ:
-                env_names = [item.split(b"=", 1)[0].decode() for item in environ.read().split(b"\0")]
+                env_names = [
+                    item.split(b"=", 1)[0].decode() for item in environ.read().split(b"\0")
+                ]
         except OSError:
             continue  # gone meanwhile, or a zombie
         if fields[0] == b"Z":
@@ -289,7 +316,9 @@ def _delay(state: _State, request: dict[str, Any]) -> dict[str, Any]:
     _sh("ip", "link", "set", host.switch_port, "master", own)
     relay = subprocess.Popen(
         [sys.executable, "-m", "sparkdist._lab.relay", near, far, str(request["delay_ms"])],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     with state.lock:
         handle = state.next_proc

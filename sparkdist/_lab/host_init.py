@@ -34,7 +34,9 @@ def main(spec_json: str) -> None:
     for path in spec["keep_under_tmp"]:
         # Bound back from the holder's view of the caller's /tmp, at the same path.
         os.makedirs(path, exist_ok=True)
-        _run("mount", "--bind", os.path.join(spec["outer_tmp"], os.path.relpath(path, "/tmp")), path)
+        _run(
+            "mount", "--bind", os.path.join(spec["outer_tmp"], os.path.relpath(path, "/tmp")), path
+        )
     os.makedirs("/tmp/.lab", mode=0o700)
     with open("/tmp/.lab/hosts", "w") as hosts:
         hosts.write(spec["hosts_file"])

@@ -49,8 +49,15 @@ def main() -> None:
         except (TypeError, ValueError) as bad:
             value, error = "null", error or f"result is not JSON-able: {bad}"
         replies.write(
-            json.dumps({"result": json.loads(value), "error": error, "output": output,
-                        "elapsed_s": time.monotonic() - began}) + "\n"
+            json.dumps(
+                {
+                    "result": json.loads(value),
+                    "error": error,
+                    "output": output,
+                    "elapsed_s": time.monotonic() - began,
+                }
+            )
+            + "\n"
         )
         replies.flush()
 

@@ -34,9 +34,16 @@ _SIDE_NETWORK = "198.19.0"
 #: Set in every process started in a lab (and inherited by what they start).
 LAB_MARK_VAR = "SPARKDIST_LAB_MARK"
 #: The caller's variables a lab host must not inherit: they describe the caller's machine.
-_NOT_INHERITED = ("SPARK_LOCAL_IP", "SPARK_LOCAL_HOSTNAME", "TMPDIR", "SPARK_HOME",
-                  "SPARKDIST_PYTEST_SESSION", "SPARKDIST_DRIVER_HOST", "PYSPARK_GATEWAY_PORT",
-                  "PYSPARK_GATEWAY_SECRET")
+_NOT_INHERITED = (
+    "SPARK_LOCAL_IP",
+    "SPARK_LOCAL_HOSTNAME",
+    "TMPDIR",
+    "SPARK_HOME",
+    "SPARKDIST_PYTEST_SESSION",
+    "SPARKDIST_DRIVER_HOST",
+    "PYSPARK_GATEWAY_PORT",
+    "PYSPARK_GATEWAY_SECRET",
+)
 
 
 class NameResolution(Enum):
@@ -110,8 +117,9 @@ class Lab:
         self.close()
 
     # -- hosts ---------------------------------------------------------------------------------
-    def add_host(self, name: str, index: int,
-                 resolution: NameResolution = NameResolution.PEERS) -> Host:
+    def add_host(
+        self, name: str, index: int, resolution: NameResolution = NameResolution.PEERS
+    ) -> Host:
         """Start one host; its ``/etc/hosts`` names every host planned so far (``plan``)."""
         host = self.plan(name, index, resolution)
         self._holder.call(
@@ -128,16 +136,17 @@ class Lab:
         )
         return host
 
-    def plan(self, name: str, index: int,
-             resolution: NameResolution = NameResolution.PEERS) -> Host:
+    def plan(
+        self, name: str, index: int, resolution: NameResolution = NameResolution.PEERS
+    ) -> Host:
         """Name a host before it starts, so hosts started earlier can resolve its name."""
         host = Host(name, f"lab-{name}", f"198.18.0.{index}", index, resolution)
         self.hosts[name] = host
         return host
 
-    def add_hosts(self, count: int,
-                  resolution: NameResolution | list[NameResolution] = NameResolution.PEERS
-                  ) -> list[Host]:
+    def add_hosts(
+        self, count: int, resolution: NameResolution | list[NameResolution] = NameResolution.PEERS
+    ) -> list[Host]:
         """The driver's host (its name well resolved) and ``count`` others, ``host1`` onwards,
         each host's own name resolved as ``resolution`` says (one for all, or one per host)."""
         each = resolution if isinstance(resolution, list) else [resolution] * count
@@ -169,11 +178,13 @@ class Lab:
     def _keep_under_tmp(self) -> list[str]:
         import sparkdist
 
-        needed = [sys.prefix, str(Path(sparkdist.__file__).resolve().parents[1]), str(self.shared),
-                  str(self.directory)]
-        return _topmost(
-            [p for p in (os.path.realpath(n) for n in needed) if p.startswith("/tmp/")]
-        )
+        needed = [
+            sys.prefix,
+            str(Path(sparkdist.__file__).resolve().parents[1]),
+            str(self.shared),
+            str(self.directory),
+        ]
+        return _topmost([p for p in (os.path.realpath(n) for n in needed) if p.startswith("/tmp/")])
 
     # -- running things ------------------------------------------------------------------------
     def env(self, host: str, **extra: str) -> dict[str, str]:
@@ -191,23 +202,50 @@ class Lab:
         env.update(extra)
         return env
 
-    def run(self, host: str, argv: list[str], *, env: dict[str, str] | None = None,
-            cwd: str = "/tmp", timeout_s: float = 120.0, input: str = "") -> Result:
+    def run(
+        self,
+        host: str,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = "/tmp",
+        timeout_s: float = 120.0,
+        input: str = "",
+    ) -> Result:
         reply = self._holder.call(
-            "exec", timeout_s=timeout_s + 10, host=host, argv=argv,
-            env=env if env is not None else self.env(host), cwd=cwd, input=input,
+            "exec",
+            timeout_s=timeout_s + 10,
+            host=host,
+            argv=argv,
+            env=env if env is not None else self.env(host),
+            cwd=cwd,
+            input=input,
         )
         return Result(reply["rc"], reply["stdout"], reply["stderr"])
 
     def python(self, host: str, code: str, *, timeout_s: float = 60.0, **env: str) -> Result:
-        return self.run(host, [sys.executable, "-c", code], env=self.env(host, **env),
-                        timeout_s=timeout_s)
+        return self.run(
+            host, [sys.executable, "-c", code], env=self.env(host, **env), timeout_s=timeout_s
+        )
 
-    def spawn(self, host: str, argv: list[str], log: Path, *, env: dict[str, str] | None = None,
-              cwd: str = "/tmp", pipes: bool = False) -> dict[str, Any]:
+    def spawn(
+        self,
+        host: str,
+        argv: list[str],
+        log: Path,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = "/tmp",
+        pipes: bool = False,
+    ) -> dict[str, Any]:
         return self._holder.call(
-            "spawn", host=host, argv=argv, env=env if env is not None else self.env(host),
-            cwd=cwd, log=str(log), pipes=pipes,
+            "spawn",
+            host=host,
+            argv=argv,
+            env=env if env is not None else self.env(host),
+            cwd=cwd,
+            log=str(log),
+            pipes=pipes,
         )
 
     def call(self, op: str, timeout_s: float = 120.0, **fields: Any) -> dict[str, Any]:
@@ -237,7 +275,8 @@ class Lab:
         for row in rows:
             children.setdefault(row["ppid"], []).append(row)
         found = {
-            p["pid"]: p for p in rows
+            p["pid"]: p
+            for p in rows
             if "SPARKDIST_RUN_ID" in p["env_names"] or p["name"].startswith("sparkdist-r")
         }
         pending = list(found.values())
@@ -248,7 +287,9 @@ class Lab:
                     pending.append(child)
         return list(found.values())
 
-    def wait_until_no_ranks(self, timeout_s: float, hosts: list[str] | None = None) -> list[dict[str, Any]]:
+    def wait_until_no_ranks(
+        self, timeout_s: float, hosts: list[str] | None = None
+    ) -> list[dict[str, Any]]:
         """Wait for every rank of every run to be gone; the survivors, if any, after the wait."""
         deadline = time.monotonic() + timeout_s
         while True:

@@ -35,7 +35,8 @@ def open_tap(name: str) -> int:
 
 def relay(left: int, right: int, delay_s: float) -> None:
     queues: dict[int, collections.deque[tuple[float, bytes]]] = {
-        left: collections.deque(), right: collections.deque()
+        left: collections.deque(),
+        right: collections.deque(),
     }
     other = {left: right, right: left}
     while True:

@@ -74,17 +74,23 @@ class DriverKernel:
 
     def run(self, code: str, timeout_s: float = 240.0) -> dict[str, Any]:
         """Run ``code`` on the driver; its ``result``, output and error (a traceback or None)."""
-        self.lab.call("send", proc=self.proc, data=json.dumps({"code": textwrap.dedent(code)}) + "\n")
+        self.lab.call(
+            "send", proc=self.proc, data=json.dumps({"code": textwrap.dedent(code)}) + "\n"
+        )
         reply = self.lab.call("read_line", timeout_s=timeout_s, proc=self.proc)
         if not reply["line"]:
-            raise LabError(f"the lab's driver exited ({reply['rc']}): {self.log.read_text()[-3000:]}")
+            raise LabError(
+                f"the lab's driver exited ({reply['rc']}): {self.log.read_text()[-3000:]}"
+            )
         return json.loads(reply["line"])  # type: ignore[no-any-return]
 
     def check(self, code: str, timeout_s: float = 240.0) -> Any:
-        """Run ``code`` and return its ``result``; raise with its traceback and output if it raised."""
+        """Run ``code`` and return its ``result``; raise with its traceback and output."""
         reply = self.run(code, timeout_s)
         if reply["error"]:
-            raise LabError(f"the driver's code raised:\n{reply['error']}\noutput:\n{reply['output'][-4000:]}")
+            raise LabError(
+                f"the driver's code raised:\n{reply['error']}\noutput:\n{reply['output'][-4000:]}"
+            )
         return reply["result"]
 
 
@@ -122,9 +128,18 @@ class LabCluster:
         deadline = time.monotonic() + timeout_s
         self.master = self.lab.spawn(
             "driver",
-            [spark_class(), "org.apache.spark.deploy.master.Master", "--host", DRIVER_ADDRESS,
-             "--port", str(MASTER_PORT), "--webui-port", "8080"],
-            self._log("master"), env=self._daemon_env("driver"),
+            [
+                spark_class(),
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                DRIVER_ADDRESS,
+                "--port",
+                str(MASTER_PORT),
+                "--webui-port",
+                "8080",
+            ],
+            self._log("master"),
+            env=self._daemon_env("driver"),
         )
         self._wait_for_log(self._log("master"), _MASTER_UP, deadline)
         for host in self.workers:
@@ -139,10 +154,23 @@ class LabCluster:
         log.write_bytes(b"")
         self.worker_procs[host] = self.lab.spawn(
             host,
-            [spark_class(), "org.apache.spark.deploy.worker.Worker", "--host",
-             self.lab.hosts[host].address, "--port", str(WORKER_PORT), "--webui-port", "8081",
-             "--cores", str(self.cores), "--memory", "1g", MASTER_URL],
-            log, env=self._daemon_env(host),
+            [
+                spark_class(),
+                "org.apache.spark.deploy.worker.Worker",
+                "--host",
+                self.lab.hosts[host].address,
+                "--port",
+                str(WORKER_PORT),
+                "--webui-port",
+                "8081",
+                "--cores",
+                str(self.cores),
+                "--memory",
+                "1g",
+                MASTER_URL,
+            ],
+            log,
+            env=self._daemon_env(host),
         )
 
     def _wait_for_log(self, log: Path, text: str, deadline: float) -> None:
@@ -175,8 +203,11 @@ class LabCluster:
         if self.driver is None:
             log = self._log("driver")
             reply = self.lab.spawn(
-                "driver", [sys.executable, "-m", "sparkdist._lab.kernel"], log,
-                env=self.lab.env("driver", **env), pipes=True,
+                "driver",
+                [sys.executable, "-m", "sparkdist._lab.kernel"],
+                log,
+                env=self.lab.env("driver", **env),
+                pipes=True,
             )
             self.driver = DriverKernel(self.lab, reply["proc"], reply["pid"], log)
             # One core per host: the rest is left for a second application.
@@ -212,9 +243,14 @@ class LabCluster:
             self.wait_for_executors(len(self.workers), timeout_s)
 
 
-def start_lab_cluster(directory: Path, hosts: int = 3, *, cores: int = 2,
-                      resolution: NameResolution | list[NameResolution] = NameResolution.PEERS,
-                      timeout_s: float = 120.0) -> LabCluster:
+def start_lab_cluster(
+    directory: Path,
+    hosts: int = 3,
+    *,
+    cores: int = 2,
+    resolution: NameResolution | list[NameResolution] = NameResolution.PEERS,
+    timeout_s: float = 120.0,
+) -> LabCluster:
     """A lab of ``hosts`` worker hosts plus the driver's, and a Spark cluster on it."""
     lab = Lab(directory, directory / "shared", mark=directory.name)
     try:
@@ -224,4 +260,3 @@ def start_lab_cluster(directory: Path, hosts: int = 3, *, cores: int = 2,
     except BaseException:
         lab.close()
         raise
-

@@ -99,9 +99,9 @@ def probe() -> LabSupport:
                 text=True,
                 timeout=10,
             )
-            trial_error = trial.stderr or ("" if trial.returncode == 0 else f"exit {trial.returncode}")
+            trial_error = trial.stderr or (
+                "" if trial.returncode == 0 else f"exit {trial.returncode}"
+            )
         except (OSError, subprocess.TimeoutExpired) as error:
             trial_error = str(error)
-    return decide(
-        LabFacts(sys.platform, euid, tools, max_user_namespaces, disabled, trial_error)
-    )
+    return decide(LabFacts(sys.platform, euid, tools, max_user_namespaces, disabled, trial_error))
