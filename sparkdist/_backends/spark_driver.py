@@ -130,21 +130,15 @@ def wait_for_barrier_slots(
         if found is not None:
             check_barrier_slots(needed, found, connect_conf.get("spark.master", "?"))
         return needed if found is None else found
-    jsc = session.sparkContext._jsc.sc()
     conf = spark_conf(session) if conf is None else conf  # the caller's read of it, if any
     expected = expected_executors(conf)
     started = time.monotonic()
     said_waiting = False
     while True:
-        try:
-            profile = jsc.resourceProfileManager().defaultResourceProfile()
-            found = int(jsc.maxNumConcurrentTasks(profile))
-            # The status tracker lists the driver too. It learns of an executor after the
-            # scheduler counts its slots, so "all registered" here means all counted there.
-            registered = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)
-        except Exception:  # a Spark without these internal APIs: let Spark check at submission
-            logger.debug("sparkdist: cannot count barrier slots", exc_info=True)
+        counted = count_barrier_slots(session)
+        if counted is None:  # a Spark without these internal APIs: let Spark check at submission
             return needed
+        found, registered = counted
         waited_s = time.monotonic() - started
         if found >= needed:
             return found
@@ -162,6 +156,22 @@ def wait_for_barrier_slots(
                 wait_s,
             )
         time.sleep(0.2)  # executors register asynchronously; Python sees no event for it
+
+
+def count_barrier_slots(session: Any) -> tuple[int, int] | None:
+    """A classic session's barrier slots now and its registered executors, or None when this
+    Spark does not say (the internal APIs are missing)."""
+    try:
+        jsc = session.sparkContext._jsc.sc()
+        profile = jsc.resourceProfileManager().defaultResourceProfile()
+        found = int(jsc.maxNumConcurrentTasks(profile))
+        # The status tracker lists the driver too. It learns of an executor after the
+        # scheduler counts its slots, so "all registered" here means all counted there.
+        registered = max(0, len(jsc.statusTracker().getExecutorInfos()) - 1)
+    except Exception:
+        logger.debug("sparkdist: cannot count barrier slots", exc_info=True)
+        return None
+    return found, registered
 
 
 #: The conf keys that decide how many barrier slots a cluster has, in the order to show them.

@@ -23,6 +23,7 @@ from typing import Any
 
 from sparkdist._backends.job_file import executor_path
 from sparkdist._backends.session import is_connect
+from sparkdist._core.addresses import task_host
 from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import cuda_visible_devices
 from sparkdist._node.agent import run_agent
@@ -129,7 +130,7 @@ def _barrier_task(
 
     context = BarrierTaskContext.get()
     node_rank = context.partitionId()
-    hosts = [info.address.rsplit(":", 1)[0] for info in context.getTaskInfos()]
+    hosts = [task_host(info.address) for info in context.getTaskInfos()]
     gpus = None
     if use_gpu:
         resource = context.resources().get("gpu")
@@ -144,8 +145,9 @@ def _barrier_task(
     spec = dataclasses.replace(
         template,
         node_rank=node_rank,
-        master_addr=hosts[0],
+        master_addr=hosts[0],  # a name is resolved by the agent (``_node.interfaces``)
         host=hosts[node_rank],
+        task_hosts=tuple(hosts),
         gpu_addresses=gpus,
         job_file=executor_path(template.job_file),
     )

@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sparkdist._core.addresses import is_loopback
 from sparkdist._core.errors import ConfigError, ConfigTypeError
 from sparkdist._core.tracebacks import FULL_TRACEBACK_VAR as FULL_TRACEBACK_VAR
 
@@ -53,6 +54,17 @@ PROGRESS_INTERVAL_VAR = "SPARKDIST_PROGRESS_INTERVAL_S"
 #: (``_core.tracebacks`` comes before this module: ``errors`` imports it).
 #: The pytest session a run belongs to (the plugin's leak check counts only its own).
 PYTEST_SESSION_VAR = "SPARKDIST_PYTEST_SESSION"
+
+#: The network interface gloo and NCCL bind and advertise. sparkdist sets both to the interface
+#: holding the node's address (``with_socket_ifname``), but they are not launcher-owned: a value
+#: the user gives (``env=``, the driver's or the executors' environment) is kept as it is.
+GLOO_SOCKET_IFNAME_VAR = "GLOO_SOCKET_IFNAME"
+NCCL_SOCKET_IFNAME_VAR = "NCCL_SOCKET_IFNAME"
+SOCKET_IFNAME_VARS = (GLOO_SOCKET_IFNAME_VAR, NCCL_SOCKET_IFNAME_VAR)
+#: ``1`` shows c10d's per-rank "The hostname of the client socket cannot be retrieved" warning,
+#: which the node drops by default (``_core.lines.is_c10d_hostname_warning``); read, as a rank
+#: would see it, from ``env=`` over the agent's environment.
+SHOW_C10D_HOSTNAME_WARNING_VAR = "SPARKDIST_SHOW_C10D_HOSTNAME_WARNING"
 
 #: MLflow's variables, set in every rank when the driver tracks the run.
 MLFLOW_RUN_ID_VAR = "MLFLOW_RUN_ID"
@@ -236,6 +248,7 @@ def worker_env(
     mode: str,
     host: str,
     extra: Mapping[str, str] = {},
+    socket_ifname: str | None = None,
 ) -> dict[str, str]:
     """Build the full environment of one worker process.
 
@@ -251,6 +264,8 @@ def worker_env(
         mode: the launch mode's name.
         host: the host name or address of this node, as the driver knows it.
         extra: user-supplied variables, applied last except over sparkdist's own.
+        socket_ifname: the interface holding this node's address (``_node.interfaces``), or
+            None when it is unknown; see ``with_socket_ifname``.
     """
     env = {k: v for k, v in base.items() if k not in _STALE}
     env.update(extra)
@@ -285,4 +300,38 @@ def worker_env(
     if mode == "deepspeed" and cuda_visible_devices is None:
         # DeepSpeed picks its accelerator at import; without a GPU it must be told "cpu".
         env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
+    return with_socket_ifname(
+        env, socket_ifname, master_addr=master_addr, user_env=extra, inherited=base
+    )
+
+
+def with_socket_ifname(
+    env: Mapping[str, str],
+    interface: str | None,
+    *,
+    master_addr: str,
+    user_env: Mapping[str, str],
+    inherited: Mapping[str, str],
+) -> dict[str, str]:
+    """``env`` (a rank's environment being built) with gloo and NCCL told ``interface``.
+
+    Without them, gloo and NCCL pick the address they advertise from the host's name, which on
+    many hosts resolves to 127.0.1.1 (Debian's ``/etc/hosts``) or to a network the peers do not
+    share: then every run fails in ``connectFullMesh``. So ``GLOO_SOCKET_IFNAME`` becomes
+    ``interface`` and ``NCCL_SOCKET_IFNAME`` ``=interface`` (NCCL matches a bare name as a
+    prefix, ``eth1`` would also take ``eth10``; ``=`` asks for exactly that one), each unless
+    the user set it in ``user_env`` (``env=``) or ``inherited`` (the agent's environment): a
+    value of theirs, a comma list or an empty string (gloo and NCCL then choose themselves),
+    is kept as it is.
+
+    Nothing is set when ``interface`` is None (not known) or ``master_addr`` is loopback: every
+    rank is on this host (local mode), and loopback is what they reach each other at.
+    """
+    result = dict(env)
+    if interface is None or is_loopback(master_addr):
+        return result
+    wanted = {GLOO_SOCKET_IFNAME_VAR: interface, NCCL_SOCKET_IFNAME_VAR: f"={interface}"}
+    for name, value in wanted.items():
+        if name not in user_env and name not in inherited:
+            result[name] = value
+    return result

@@ -33,6 +33,8 @@ from sparkdist._core.tracebacks import (
 
 #: A failure's message shows at most this many characters of an error message in its first line.
 _MAX_HEADLINE_CHARS = 300
+#: A failure's message shows at most this many distinct rendezvous diagnoses.
+_MAX_DIAGNOSES = 3
 
 
 class SparkdistError(Exception):
@@ -87,6 +89,8 @@ class RankFailure:
         exception_bytes: the exception pickled with cloudpickle, when it could be.
         failed_at: wall-clock time taken inside the rank when its exception reached the top
             (None when it died without one); orders failures to find the root cause.
+        diagnosis: for a failed rendezvous, which node could not reach which address and the
+            fix, as the rank's own environment told it (``_core.rendezvous``); else "".
     """
 
     rank: int
@@ -98,6 +102,7 @@ class RankFailure:
     last_lines: tuple[str, ...] = ()
     exception_bytes: bytes | None = None
     failed_at: float | None = None
+    diagnosis: str = ""
 
     def summary(self) -> str:
         """One line: what failed, where."""
@@ -156,6 +161,7 @@ def _describe_failures(
     if root.exit_code is not None:
         where += f", exit code {root.exit_code}"
     lines.append(f"where: {where}")
+    lines.extend(_diagnoses(failures, root))
     for ranks, error in groups[1:]:
         lines.append(
             f"{_rank_list(ranks)} failed too (often in consequence, e.g. a peer lost in a "
@@ -167,6 +173,20 @@ def _describe_failures(
         lines.append(f"last output lines of rank {root.rank}:")
         lines.extend(f"  {line}" for line in root.last_lines)
     return "\n".join(lines)
+
+
+def _diagnoses(failures: dict[int, RankFailure], root: RankFailure) -> list[str]:
+    """Each distinct rendezvous diagnosis once, the root cause's first: the rank that could
+    not reach an address says more than the peers that waited for it."""
+    texts = dict.fromkeys(
+        f.diagnosis for f in (root, *(failures[r] for r in sorted(failures))) if f.diagnosis
+    )
+    lines = []
+    for text in list(texts)[:_MAX_DIAGNOSES]:
+        first, *rest = text.splitlines()
+        lines.append(first)
+        lines.extend(f"  {line}" for line in rest)
+    return lines
 
 
 def _error_line(failure: RankFailure) -> str:

@@ -3,16 +3,39 @@
 Robust to what training prints: undecodable bytes are replaced, ``\\r`` progress-bar updates
 become lines of their own (a terminal would overwrite them; a log cannot), and a line longer
 than ``MAX_LINE_BYTES`` is cut into pieces rather than buffered without bound.
+
+One known line of noise is recognised here (``is_c10d_hostname_warning``) so the node can drop
+it; nothing else a rank prints is ever judged.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import IO
+
+from sparkdist._core.env import SHOW_C10D_HOSTNAME_WARNING_VAR
 
 #: A line longer than this is cut into pieces of this size.
 MAX_LINE_BYTES = 64 * 1024
+
+#: What c10d logs (``[W... socket.cpp:...] [c10d] The hostname of the client socket cannot be
+#: retrieved. err=-3``) on stderr, once per rank and connection, where the peer's address has no
+#: reverse DNS entry: the connection works, it only cannot name the peer in its own messages.
+_C10D_HOSTNAME_WARNING = "The hostname of the client socket cannot be retrieved"
+_TRUE = ("1", "true", "yes", "on")
+
+
+def is_c10d_hostname_warning(line: str) -> bool:
+    """Whether ``line`` (of a rank's stderr) is c10d's "hostname of the client socket cannot be
+    retrieved" warning, and nothing else."""
+    return "[c10d]" in line and _C10D_HOSTNAME_WARNING in line
+
+
+def shows_c10d_hostname_warning(environ: Mapping[str, str]) -> bool:
+    """Whether ``SPARKDIST_SHOW_C10D_HOSTNAME_WARNING`` in ``environ`` asks to keep that warning
+    (read as ``SPARKDIST_FULL_TRACEBACK`` is: 1, true, yes, on)."""
+    return environ.get(SHOW_C10D_HOSTNAME_WARNING_VAR, "").strip().lower() in _TRUE
 
 
 def read_lines(pipe: IO[bytes]) -> Iterator[str]:

@@ -16,12 +16,21 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkdist._core.addresses import is_loopback
 from sparkdist._core.config import LaunchConfig
-from sparkdist._core.env import CHECKPOINT_DIR_VAR, RankSeat, seats_of_node, worker_env
+from sparkdist._core.env import (
+    CHECKPOINT_DIR_VAR,
+    SOCKET_IFNAME_VARS,
+    RankSeat,
+    seats_of_node,
+    worker_env,
+)
 from sparkdist._core.placement import Placement
 
 #: Stands for values only known once the run starts (rank 0's store port, the run id...).
 LATER = "<at start>"
+#: Stands for the interface a node decides at start (``_node.interfaces``).
+NODE_INTERFACE = "<the interface holding the node's address>"
 
 
 class BackendKind(str, enum.Enum):
@@ -57,6 +66,7 @@ class LaunchPlan:
             each task.
         requirements: package versions every node must have, as "name==version".
         user_env: the user's variables, applied to every rank.
+        network: what the ranks use to reach each other (loopback, or each node's interface).
     """
 
     backend: BackendKind
@@ -72,6 +82,7 @@ class LaunchPlan:
     job_as_file: bool
     requirements: tuple[str, ...] = ()
     user_env: Mapping[str, str] = field(default_factory=dict)
+    network: str = ""
 
     @property
     def world_size(self) -> int:
@@ -92,6 +103,8 @@ class LaunchPlan:
             f"  job: {_size(self.job_size_bytes)}"
             + (", shipped as a Spark file" if self.job_as_file else ", inside each task"),
         ]
+        if self.network:
+            lines.append(f"  network: {self.network}")
         if self.requirements:
             lines.append(f"  every node must have: {', '.join(self.requirements)}")
         if self.user_env:
@@ -118,20 +131,25 @@ def make_plan(
 ) -> LaunchPlan:
     """Decide the whole run from its inputs. Pure: no I/O, no clock, no randomness."""
     ranks = []
+    master_addr = "127.0.0.1" if backend is BackendKind.LOCAL else "<task 0's address>"
     for node in range(placement.num_tasks):
         for seat in seats_of_node(node, placement.processes_per_task, placement.num_tasks):
             gpus = _gpus_of(placement, backend, node)
             env = worker_env(
                 {},
                 seat,
-                master_addr="127.0.0.1" if backend is BackendKind.LOCAL else "<task 0's host>",
+                master_addr=master_addr,
                 run_id=LATER,
                 restart_count=0,
                 max_restarts=config.max_restarts,
                 cuda_visible_devices=None if not placement.use_gpu else gpus,
                 mode=config.mode.value,
                 host=LATER,
+                socket_ifname=NODE_INTERFACE,
             )
+            for name in SOCKET_IFNAME_VARS:
+                if name in config.env:
+                    del env[name]  # the user's own value (shown in user_env), not sparkdist's
             if config.checkpoint_dir is not None:
                 env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
             ranks.append(RankPlan(seat=seat, gpus=gpus, env=env))
@@ -149,7 +167,24 @@ def make_plan(
         job_as_file=job_as_file,
         requirements=tuple(requirements),
         user_env=dict(config.env),
+        network=_network_of(master_addr, config.env),
     )
+
+
+def _network_of(master_addr: str, user_env: Mapping[str, str]) -> str:
+    if is_loopback(master_addr):
+        return "loopback (every rank on this host; no interface variables set)"
+    parts = [
+        f"{name}={user_env[name]!r} from env=" for name in SOCKET_IFNAME_VARS if name in user_env
+    ]
+    decided = [name for name in SOCKET_IFNAME_VARS if name not in user_env]
+    if decided:
+        parts.insert(
+            0,
+            f"{' and '.join(decided)} name the interface holding the address Spark reached each "
+            "node at (decided on the node; a value in the executors' environment wins)",
+        )
+    return "; ".join(parts)
 
 
 def _gpus_of(placement: Placement, backend: BackendKind, node: int) -> str:

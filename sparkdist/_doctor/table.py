@@ -21,12 +21,16 @@ class Status(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the doctor's table: what was checked, what was found, and the fix."""
+    """One line of the doctor's table: what was checked, what was found, and the fix.
+
+    ``table`` is printed below the doctor's table (the cluster network's per-node rows).
+    """
 
     name: str
     status: Status
     detail: str
     fix: str = ""
+    table: str = ""
 
 
 def has_problem(checks: Sequence[Check]) -> bool:
@@ -35,7 +39,8 @@ def has_problem(checks: Sequence[Check]) -> bool:
 
 
 def format_checks(checks: Sequence[Check], width: int = 100) -> str:
-    """The table the CLI prints: one row per check, its fix indented below, then a summary."""
+    """The table the CLI prints: one row per check, its fix indented below, the checks' own
+    tables, then a summary."""
     name_width = max(len("check"), *(len(c.name) for c in checks))
     status_width = max(len(s.value) for s in Status)
     indent = " " * (name_width + status_width + 4)
@@ -50,6 +55,9 @@ def format_checks(checks: Sequence[Check], width: int = 100) -> str:
         if check.fix:
             fix = textwrap.wrap("fix: " + check.fix, wrap_at, subsequent_indent="     ")
             lines.extend(indent + part for part in fix)
+    for check in checks:
+        if check.table:
+            lines.extend(["", check.table])
     lines.append("")
     lines.append(verdict(checks))
     return "\n".join(lines)

@@ -7,7 +7,8 @@ failures are data here, never exceptions, so the driver always learns every rank
 the same path.
 
 This module is the orchestration; each part lives in its own module: refusing to start
-(``preflight``), starting and ending ranks (``ranks``, ``reaper``), pumping their output
+(``preflight``), this node's address and interface (``interfaces``), starting and ending ranks
+(``ranks``, ``reaper``), pumping their output
 (``output``), the driver link (``driver_link``), the hang watchdog (``watchdog``) and outcomes
 (``outcomes``). One watching thread takes events (a rank exited, an abort, the driver gone)
 off one queue and decides: a rank that fails on its own is reported to the driver at once and
@@ -40,9 +41,10 @@ from sparkdist._core.files import (
 )
 from sparkdist._core.versions import refusal_error
 from sparkdist._node.driver_link import DriverLink, tell_driver_once
+from sparkdist._node.interfaces import NodeNetwork, decide_node_network
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.outcomes import detached_outcomes, outcome_of
-from sparkdist._node.output import pump_lines, pump_notes
+from sparkdist._node.output import pump_lines, pump_notes, stderr_noise
 from sparkdist._node.partition import partition_path, write_partition
 from sparkdist._node.preflight import refusal_of
 from sparkdist._node.ranks import RankHandle, end_ranks, node_extra_env, spawn_rank, wait_for_exit
@@ -126,6 +128,7 @@ class Agent:
             on_rendezvous=self._deliver_rendezvous,
             events=self.events,
         )
+        self.network = NodeNetwork(spec.master_addr)  # decided in ``run``, before any spawn
         self.workers: dict[int, RankHandle] = {}
         self.master_port: int | None = None
         self.aborting = False
@@ -153,6 +156,7 @@ class Agent:
                 write_private_file(job_file, self.spec.job_bytes)
             if self.spec.code_zip is not None:
                 self.code_dir = unpack_code(run_dir, self.spec.code_zip)
+            self.network = decide_node_network(self.spec)
             # Spawn first: the ranks' interpreter start-up overlaps with our handshake.
             self._spawn_all(run_dir, job_file)
             if self.stop_reason is not None:  # stopped while spawning: end what started
@@ -230,6 +234,7 @@ class Agent:
                 code_dir=self.code_dir,
                 extra_env=extra,
                 expects_data=self.expects_data,
+                network=self.network,
             )
             with self.lock:
                 self.workers[seat.rank] = worker
@@ -240,10 +245,12 @@ class Agent:
         def exited(worker: RankHandle, code: int) -> None:
             self.events.put(("exit", (worker, code)))
 
+        # The ranks' own view of the setting: env= over this process's environment.
+        noise = stderr_noise({**os.environ, **self.spec.extra_env})
         for worker in self.workers.values():
             targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
                 (pump_lines, (worker, worker.proc.stdout, protocol.Stream.STDOUT, outbox)),
-                (pump_lines, (worker, worker.proc.stderr, protocol.Stream.STDERR, outbox)),
+                (pump_lines, (worker, worker.proc.stderr, protocol.Stream.STDERR, outbox, noise)),
                 (pump_notes, (worker, outbox, self.link.send_control)),
                 (wait_for_exit, (worker, self.spec, exited)),
             ]

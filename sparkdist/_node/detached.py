@@ -137,6 +137,7 @@ def _failure_to_dict(failure: RankFailure) -> dict[str, Any]:
         "message": failure.message,
         "traceback": failure.traceback[-MAX_TRACEBACK_CHARS:],
         "last_lines": list(failure.last_lines),
+        "diagnosis": failure.diagnosis,
     }
 
 
@@ -149,4 +150,5 @@ def _failure_from_dict(item: dict[str, Any]) -> RankFailure:
         message=str(item["message"]),
         traceback=str(item["traceback"]),
         last_lines=tuple(item["last_lines"]),
+        diagnosis=str(item.get("diagnosis", "")),
     )

@@ -91,6 +91,7 @@ def _failure_of(
             last_lines=last,
             exception_bytes=recorded.exception_bytes,
             failed_at=getattr(recorded, "failed_at", None),  # None from an older worker
+            diagnosis=getattr(recorded, "diagnosis", ""),
         )
     message = describe_exit(code)
     if rank.hung_for_s is not None:

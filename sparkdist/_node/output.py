@@ -1,6 +1,6 @@
 """Pumping a rank's pipes: its stdout/stderr lines to the driver (each also kept in the rank's
 ring of last lines, for its failure report) and its notes (store port, joined, beats, progress
-reports) to where they belong.
+reports) to where they belong. One known line of c10d noise is dropped (``stderr_noise``).
 
 One thread per pipe, started by the agent; each ends at the pipe's end of file.
 
@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING
 
-from sparkdist._core.lines import read_lines
+from sparkdist._core.lines import is_c10d_hostname_warning, read_lines, shows_c10d_hostname_warning
 from sparkdist._node.outbox import Outbox
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
@@ -28,12 +28,33 @@ LAST_LINES = 30
 OUTPUT_DRAIN_S = 1.0
 
 
-def pump_lines(rank: RankHandle, pipe: IO[bytes], stream: protocol.Stream, outbox: Outbox) -> None:
-    """Forward every line of ``pipe`` (the rank's ``stream``) until its end of file."""
+def pump_lines(
+    rank: RankHandle,
+    pipe: IO[bytes],
+    stream: protocol.Stream,
+    outbox: Outbox,
+    drop: Callable[[str], bool] | None = None,
+) -> None:
+    """Forward every line of ``pipe`` (the rank's ``stream``) until its end of file, but those
+    ``drop`` says are noise (neither forwarded nor kept for the failure report)."""
     number = rank.seat.rank
     for text in read_lines(pipe):
+        if drop is not None and drop(text):
+            continue
         rank.last_lines.append(text)
         outbox.line(protocol.Log(number, stream, text))
+
+
+def stderr_noise(environ: Mapping[str, str]) -> Callable[[str], bool] | None:
+    """What to drop from the ranks' stderr, given the environment they see.
+
+    c10d warns "The hostname of the client socket cannot be retrieved" once per rank and
+    connection on every cluster without reverse DNS for its hosts' addresses: the connection
+    works, only the peer goes unnamed in c10d's own messages; on a multi-host run it is a
+    screenful of lines that hide the real output and read like a failure. So it is dropped,
+    unless ``SPARKDIST_SHOW_C10D_HOSTNAME_WARNING=1``.
+    """
+    return None if shows_c10d_hostname_warning(environ) else is_c10d_hostname_warning
 
 
 def pump_notes(

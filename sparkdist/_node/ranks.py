@@ -36,6 +36,7 @@ from sparkdist._core.env import (
     worker_env,
 )
 from sparkdist._core.files import write_private_file
+from sparkdist._node.interfaces import NodeNetwork
 from sparkdist._node.output import LAST_LINES
 from sparkdist._node.partition import partition_path, write_schema
 from sparkdist._node.pool import start_rank
@@ -110,12 +111,19 @@ def spawn_rank(
     code_dir: str | None,
     extra_env: Mapping[str, str],
     expects_data: bool,
+    network: NodeNetwork | None = None,
 ) -> RankHandle:
-    """Start the rank at ``seat`` (warm pool or cold) and return its handle."""
+    """Start the rank at ``seat`` (warm pool or cold) and return its handle.
+
+    ``network`` is what the agent decided of this node's network (``interfaces``): the
+    ``MASTER_ADDR`` as an address and the interface gloo and NCCL use; without it, the spec's
+    master as given and no interface.
+    """
+    network = network or NodeNetwork(spec.master_addr)
     env = worker_env(
         os.environ,
         seat,
-        master_addr=spec.master_addr,
+        master_addr=network.master_addr,
         run_id=spec.run_id,
         restart_count=spec.restart_count,
         max_restarts=spec.max_restarts,
@@ -123,6 +131,7 @@ def spawn_rank(
         mode=spec.mode,
         host=spec.host,
         extra=extra_env,
+        socket_ifname=network.interface,
     )
     cmd_read, cmd_write = os.pipe()
     note_read, note_write = os.pipe()

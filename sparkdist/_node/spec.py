@@ -24,8 +24,11 @@ class AgentSpec:
         node_rank: this node's index; its ranks are node_rank * processes_per_node + i.
         num_nodes: nodes in the run.
         processes_per_node: ranks this node runs.
-        master_addr: host of rank 0, where the store lives.
+        master_addr: host of rank 0, where the store lives, as Spark reports it (a name is
+            resolved on the node: ``interfaces``).
         host: this node's host, for messages.
+        task_hosts: every barrier task's host as Spark reports it, in task order (empty in
+            local mode): the peers this node routes toward to find its own address.
         channel_address: (host, port) of the driver's control channel.
         secret: the run's channel secret.
         gpu_addresses: CUDA_VISIBLE_DEVICES for the ranks, or None for CPU.
@@ -71,3 +74,4 @@ class AgentSpec:
     job_file: str | None = None
     dataframe_schema_json: str | None = None
     system_metrics_interval_s: float = 0.0
+    task_hosts: tuple[str, ...] = ()

@@ -31,6 +31,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Mapping
 from types import TracebackType
 from typing import Any, BinaryIO
 
@@ -38,6 +39,7 @@ from sparkdist._core.env import CTRL_IN_VAR as CTRL_IN_VAR
 from sparkdist._core.env import CTRL_OUT_VAR as CTRL_OUT_VAR
 from sparkdist._core.env import (
     DEEPSPEED_CONFIG_VAR,
+    GLOO_SOCKET_IFNAME_VAR,
     HOST_VAR,
     MODE_VAR,
     PARENT_PID_VAR,
@@ -48,6 +50,7 @@ from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
 from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
+from sparkdist._core.rendezvous import diagnose
 from sparkdist._node.parent_death import die_with_parent
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
@@ -152,7 +155,10 @@ def main() -> None:
             link.send(protocol.Store(_host_store(env, start_timeout_s)))
         job = _load_job(job_file)
         if not link.rendezvous.wait(start_timeout_s):
-            raise TimeoutError(f"rank {rank} got no rendezvous port within {start_timeout_s} s")
+            raise TimeoutError(
+                f"rank {rank} got no rendezvous port within {start_timeout_s} s "
+                f"({_network_of(env)})"
+            )
         env.update(link.rank_env)
         env["MASTER_PORT"] = str(link.master_port)
         _bind_device(env)
@@ -183,6 +189,13 @@ def main() -> None:
             _exit(1)
         _write_atomically(value_path(result_dir, rank), data)
         _exit(0)
+
+
+def _network_of(env: Mapping[str, str]) -> str:
+    """What this rank was told of the network, for its rendezvous errors."""
+    interface = env.get(GLOO_SOCKET_IFNAME_VAR)
+    said = f"MASTER_ADDR {env.get('MASTER_ADDR', '?')}"
+    return said + (f", interface {interface}" if interface else ", no interface set")
 
 
 def _host_store(env: os._Environ[str], timeout_s: float) -> int:
@@ -289,6 +302,9 @@ def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) ->
         if exc_type.__module__ not in ("builtins", "__main__"):
             type_name = f"{exc_type.__module__}.{type_name}"
         text = "".join(traceback.format_exception(exc_type, exc, _user_frames(exc.__traceback__)))
+    # A failed init_process_group names the node and what it could not reach (this process's
+    # environment knows both); any other failure gets None.
+    diagnosis = diagnose(type_name, message, os.environ)
     failure = RankFailure(
         rank=rank,
         host=os.environ.get(HOST_VAR, ""),
@@ -298,6 +314,7 @@ def _write_failure(result_dir: str, rank: int, exc: BaseException, code: int) ->
         traceback=text,
         exception_bytes=_try_dumps(exc),
         failed_at=failed_at,
+        diagnosis=diagnosis.text() if diagnosis is not None else "",
     )
     _write_atomically(failure_path(result_dir, rank), _dumps(failure))
 

@@ -97,7 +97,7 @@ def test_a_connect_client_on_one_host_and_its_server_on_another(lab_cluster: Lab
             time.sleep(0.2)  # the server's log is its only readiness signal
         lab.write_file("driver", "/tmp/job/lab_helper.py", HELPER)
         lab.write_file("driver", "/tmp/job/connect_job.py", JOB.format(
-            session=textwrap.dedent(f"""
+            session=textwrap.dedent("""
                 from pyspark.sql import SparkSession
                 spark = SparkSession.builder.remote("sc://198.18.0.11:15002").getOrCreate()
             """), ranks=2))

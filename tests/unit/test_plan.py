@@ -62,3 +62,22 @@ def test_a_large_job_says_it_travels_as_a_file():
     plan = plan_for(config, Placement(2, 1, False), BackendKind.SPARK,
                     job_size_bytes=300 << 20, job_as_file=True)
     assert "300.0 MB, shipped as a Spark file" in plan.describe()
+
+
+def test_the_plan_says_which_interface_ranks_use():
+    local = plan_for(LaunchConfig(num_processes=2), Placement(1, 2, False))
+    assert "network: loopback" in local.describe()
+    assert all("GLOO_SOCKET_IFNAME" not in r.env for r in local.ranks)
+
+    spark = plan_for(LaunchConfig(num_processes=2, local_mode=False), Placement(2, 1, False),
+                     BackendKind.SPARK)
+    assert "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME name the interface" in spark.describe()
+    assert spark.ranks[1].env["GLOO_SOCKET_IFNAME"] == "<the interface holding the node's address>"
+
+    config = LaunchConfig(num_processes=2, local_mode=False, env={"GLOO_SOCKET_IFNAME": "ib0"})
+    own = plan_for(config, Placement(2, 1, False), BackendKind.SPARK)
+    text = own.describe()
+    assert "GLOO_SOCKET_IFNAME='ib0' from env=" in text
+    assert "NCCL_SOCKET_IFNAME name the interface" in text
+    assert "GLOO_SOCKET_IFNAME" not in own.ranks[0].env  # the user's, shown in user_env
+    assert own.ranks[0].env["NCCL_SOCKET_IFNAME"].startswith("=<")
