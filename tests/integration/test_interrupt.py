@@ -63,7 +63,13 @@ def start_trees(out_dir: str) -> None:
         subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"]),
         subprocess.Popen(["sh", "-c", "sleep 300 & sleep 300"], start_new_session=True),
         subprocess.Popen(
-            ["sh", "-c", f"setsid sh -c 'echo $$ > {daemon_file}.tmp; exec sleep 300' &"]
+            [
+                "sh",
+                "-c",
+                # Written aside and renamed: the reader never sees the file half-written.
+                f"setsid sh -c 'echo $$ > {daemon_file}.part && mv {daemon_file}.part"
+                f" {daemon_file}.tmp; exec sleep 300' &",
+            ]
         ),
     ]
     children[2].wait()  # the daemon's parent is gone: the daemon is an orphan now
