@@ -84,8 +84,11 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     table = [tuple(header), *(tuple(row) for row in rows)]
     widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
     return "\n".join(
-        ("  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True))
-         + "  " + row[-1]).rstrip()
+        (
+            "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True))
+            + "  "
+            + row[-1]
+        ).rstrip()
         for row in table
     )
 
@@ -122,8 +125,9 @@ class Bench:
 
     def __enter__(self) -> Self:
         set_loopback_env()
-        self.workdir = Path(self._stack.enter_context(
-            tempfile.TemporaryDirectory(prefix=f"bench-{self.script}-")))
+        self.workdir = Path(
+            self._stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-{self.script}-"))
+        )
         # Whatever the launchers write (run dirs, Spark's local dirs, an MLflow store in the
         # cwd) lands here: nothing reaches the checkout, and what is left over is reported.
         self.scratch = self.workdir / "scratch"
@@ -158,14 +162,25 @@ class Bench:
         """
         tag = re.sub(r"\W+", "-", kind).strip("-") + f"-{time.monotonic_ns()}"
         results, log = self.workdir / f"{tag}.jsonl", self.workdir / f"{tag}.log"
-        command = [sys.executable, os.path.abspath(sys.argv[0]), "--child", kind,
-                   "--results", str(results), *argv]
+        command = [
+            sys.executable,
+            os.path.abspath(sys.argv[0]),
+            "--child",
+            kind,
+            "--results",
+            str(results),
+            *argv,
+        ]
         self.note(f"{kind}: child started")
         started = time.monotonic()
         with log.open("wb") as out:
             child = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, cwd=self.scratch,
-                start_new_session=True, env={**os.environ, **(env or {})},
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.scratch,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
             )
             try:
                 returncode: int | None = child.wait(timeout=budget_s)
@@ -176,8 +191,10 @@ class Bench:
             child.wait()
         survivors = kill_stragglers(self.marker)
         if survivors:
-            self.note(f"{kind}: {len(survivors)} process(es) outlived the child by 10 s, "
-                      "killed:\n" + "\n".join(survivors))
+            self.note(
+                f"{kind}: {len(survivors)} process(es) outlived the child by 10 s, "
+                "killed:\n" + "\n".join(survivors)
+            )
             self.stragglers[kind] = self.stragglers.get(kind, 0) + len(survivors)
         if returncode != 0:
             why = "ran out of time" if returncode is None else f"exited with {returncode}"
@@ -188,8 +205,7 @@ class Bench:
 
     def machine(self, **extra: Any) -> dict[str, Any]:
         """``_report.machine_record`` plus the stragglers, the 1/5/15-minute loads and extras."""
-        record = machine_record(self.load_before, time.monotonic() - self.started,
-                                self.leftovers)
+        record = machine_record(self.load_before, time.monotonic() - self.started, self.leftovers)
         record["loadavg_before"] = [round(x, 2) for x in self.load_before]
         record["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         record["stragglers"] = dict(self.stragglers)
@@ -356,7 +372,8 @@ def classic_session(
     )
     if scratch is not None:
         builder = builder.config("spark.local.dir", str(scratch)).config(
-            "spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch}")
+            "spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch}"
+        )
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
     session = builder.getOrCreate()
@@ -374,7 +391,10 @@ class TorchrunResult:
 
 
 def run_torchrun(
-    nproc: int, script: str, *script_args: str, timeout_s: float = 300.0,
+    nproc: int,
+    script: str,
+    *script_args: str,
+    timeout_s: float = 300.0,
     cwd: str | os.PathLike[str] | None = None,
 ) -> TorchrunResult:
     """``torchrun --standalone --nnodes=1 --nproc_per_node=nproc script args...``.
@@ -388,12 +408,26 @@ def run_torchrun(
     tmpdir = Path(cwd or os.getcwd()) / TORCHRUN_TMP
     tmpdir.mkdir(exist_ok=True)
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc_per_node={nproc}", script, *script_args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        script,
+        *script_args,
+    ]
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, errors="replace", cwd=cwd,
-                               env={**os.environ, "TMPDIR": str(tmpdir)})
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        cwd=cwd,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
     try:
         output, _ = process.communicate(timeout=timeout_s)
         returncode: int | None = process.returncode

@@ -39,16 +39,22 @@ def ddp_mlp_steps(steps: int, warmup: int, hidden: int, report: bool = False) ->
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DistributedDataParallel(nn.Sequential(
-        nn.Linear(INPUT_DIM, hidden), nn.ReLU(),
-        nn.Linear(hidden, hidden), nn.ReLU(),
-        nn.Linear(hidden, 1),
-    ))
+    model = DistributedDataParallel(
+        nn.Sequential(
+            nn.Linear(INPUT_DIM, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, 1),
+        )
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     generator = torch.Generator().manual_seed(1 + rank)
     batches = [
-        (torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
-         torch.randn(BATCH_SIZE, 1, generator=generator))
+        (
+            torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
+            torch.randn(BATCH_SIZE, 1, generator=generator),
+        )
         for _ in range(NUM_BATCHES)
     ]
     report_step = _reporter() if report else None

@@ -183,9 +183,7 @@ def run_agents(port: int, secret: str, first: int, count: int, connect_threads: 
         return on_message
 
     def connect(node: int) -> ChannelClient:
-        return ChannelClient(
-            ("127.0.0.1", port), secret, on_message_of(node), timeout_s=60.0
-        )
+        return ChannelClient(("127.0.0.1", port), secret, on_message_of(node), timeout_s=60.0)
 
     started = time.time()
     with concurrent.futures.ThreadPoolExecutor(connect_threads) as pool:

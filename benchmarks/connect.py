@@ -136,7 +136,8 @@ def launchers(session: Any, with_pyspark: bool) -> dict[str, Callable[[], Any]]:
         from pyspark.ml.torch.distributor import TorchDistributor
 
         torch_distributor = TorchDistributor(
-            num_processes=NUM_PROCESSES, local_mode=False, use_gpu=False)
+            num_processes=NUM_PROCESSES, local_mode=False, use_gpu=False
+        )
 
         def pyspark() -> Any:
             # pyspark's workers cannot import the benchmark's modules (sparkdist ships them).
@@ -154,16 +155,17 @@ def run_child(args: argparse.Namespace) -> None:
     if args.child == "connect":
         session, port = connect_session(Path.cwd())
     else:
-        session, port = classic_session("local[2]", "sparkdist-benchmark-connect",
-                                        Path.cwd()), "-"
+        session, port = classic_session("local[2]", "sparkdist-benchmark-connect", Path.cwd()), "-"
     try:
         calls = launchers(session, args.pyspark)
         # sparkdist's two variants in turns, then pyspark in a block of its own: on Connect,
         # the first sparkdist launch after a TorchDistributor job lands on Python workers that
         # have no warm pool (new zygotes: ~1.8 s instead of ~0.4 s here), so interleaving
         # pyspark would measure that interference rather than either launcher.
-        blocks = [{k: v for k, v in calls.items() if k != "pyspark"},
-                  {k: v for k, v in calls.items() if k == "pyspark"}]
+        blocks = [
+            {k: v for k, v in calls.items() if k != "pyspark"},
+            {k: v for k, v in calls.items() if k == "pyspark"},
+        ]
         for block, index in ((b, i) for b in blocks for i in range(args.runs + 1)):
             for launcher, call in block.items():  # index 0: the warm-up
                 started = time.perf_counter()
@@ -171,9 +173,18 @@ def run_child(args: argparse.Namespace) -> None:
                 elapsed = time.perf_counter() - started
                 if value != 0:
                     raise RuntimeError(f"{launcher} returned {value!r}, expected rank 0's 0")
-                append_records(args.results, [{
-                    "session": args.child, "launcher": launcher, "round": index,
-                    "seconds": elapsed, "connect_port": port}])
+                append_records(
+                    args.results,
+                    [
+                        {
+                            "session": args.child,
+                            "launcher": launcher,
+                            "round": index,
+                            "seconds": elapsed,
+                            "connect_port": port,
+                        }
+                    ],
+                )
     finally:
         session.stop()
 
@@ -186,35 +197,51 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     medians: dict[tuple[str, str], float | None] = {}
     for session in SESSIONS:
         for launcher in LAUNCHERS:
-            trials = [s for s in samples if s["session"] == session
-                      and s["launcher"] == launcher]
+            trials = [s for s in samples if s["session"] == session and s["launcher"] == launcher]
             if not trials:
                 continue
             kept = [t["seconds"] for t in trials if t["round"] > 0]
             warmup = [t["seconds"] for t in trials if t["round"] == 0]
             medians[(session, launcher)] = median(kept)
-            figures.append({
-                "figure": "launch_s", "session": session, "launcher": launcher,
-                "median": rounded(median(kept)), "runs": [rounded(k) for k in kept],
-                "warmup": rounded(warmup[0]) if warmup else None,
-                "connect_port": trials[0]["connect_port"],
-            })
+            figures.append(
+                {
+                    "figure": "launch_s",
+                    "session": session,
+                    "launcher": launcher,
+                    "median": rounded(median(kept)),
+                    "runs": [rounded(k) for k in kept],
+                    "warmup": rounded(warmup[0]) if warmup else None,
+                    "connect_port": trials[0]["connect_port"],
+                }
+            )
     for launcher in LAUNCHERS:
         value = ratio(medians.get(("connect", launcher)), medians.get(("classic", launcher)))
         if value is not None:
-            figures.append({"figure": "launch_s_ratio", "launcher": launcher,
-                            "what": "connect/classic", "value": rounded(value, 3)})
+            figures.append(
+                {
+                    "figure": "launch_s_ratio",
+                    "launcher": launcher,
+                    "what": "connect/classic",
+                    "value": rounded(value, 3),
+                }
+            )
     for session in SESSIONS:
         for launcher in ("sparkdist", "sparkdist-allgather"):
             value = ratio(medians.get((session, launcher)), medians.get((session, "pyspark")))
             if value is not None:
-                figures.append({"figure": "launch_s_ratio", "session": session,
-                                "what": f"{launcher}/pyspark", "value": rounded(value, 3)})
-        on, off = medians.get((session, "sparkdist")), medians.get(
-            (session, "sparkdist-allgather"))
+                figures.append(
+                    {
+                        "figure": "launch_s_ratio",
+                        "session": session,
+                        "what": f"{launcher}/pyspark",
+                        "value": rounded(value, 3),
+                    }
+                )
+        on, off = medians.get((session, "sparkdist")), medians.get((session, "sparkdist-allgather"))
         if on is not None and off is not None:
-            figures.append({"figure": "allgather_cost_s", "session": session,
-                            "value": rounded(off - on)})
+            figures.append(
+                {"figure": "allgather_cost_s", "session": session, "value": rounded(off - on)}
+            )
     return figures
 
 
@@ -231,22 +258,46 @@ def table(figures: list[dict[str, Any]]) -> str:
         notes = []
         for name, figure in (("classic", classic), ("connect", connect)):
             if figure:
-                notes.append(f"{name} warm-up {seconds(figure['warmup'], 2)}, runs "
-                             + " ".join(f"{r:.2f}" for r in figure["runs"]))
-        rows.append((launcher, seconds(c_med), seconds(r_med), times(ratio(r_med, c_med)),
-                     times(vs_pyspark) if launcher != "pyspark" else "-", "; ".join(notes)))
-    return format_table(("launcher", "classic local[2]", "connect local[2]", "connect/classic",
-                         "vs pyspark on connect", "notes"), rows)
+                notes.append(
+                    f"{name} warm-up {seconds(figure['warmup'], 2)}, runs "
+                    + " ".join(f"{r:.2f}" for r in figure["runs"])
+                )
+        rows.append(
+            (
+                launcher,
+                seconds(c_med),
+                seconds(r_med),
+                times(ratio(r_med, c_med)),
+                times(vs_pyspark) if launcher != "pyspark" else "-",
+                "; ".join(notes),
+            )
+        )
+    return format_table(
+        (
+            "launcher",
+            "classic local[2]",
+            "connect local[2]",
+            "connect/classic",
+            "vs pyspark on connect",
+            "notes",
+        ),
+        rows,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"timed runs per launcher (default {DEFAULT_RUNS}, {QUICK_RUNS} "
-                        "with --quick), after one warm-up")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"timed runs per launcher (default {DEFAULT_RUNS}, {QUICK_RUNS} "
+        "with --quick), after one warm-up",
+    )
     parser.add_argument("--sessions", nargs="+", choices=SESSIONS, default=list(SESSIONS))
-    parser.add_argument("--no-pyspark", dest="pyspark", action="store_false",
-                        help="skip pyspark's TorchDistributor")
+    parser.add_argument(
+        "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)

@@ -77,16 +77,16 @@ DEFAULT_RUNS, QUICK_RUNS = 2, 1
 # --- inside a rank -------------------------------------------------------------------------
 
 
-def read_rows(reader: str, batch_size: int, width: int, loader_workers: int,
-              parquet_files: list[str]) -> dict[str, Any]:
+def read_rows(
+    reader: str, batch_size: int, width: int, loader_workers: int, parquet_files: list[str]
+) -> dict[str, Any]:
     """Iterate this rank's rows as (features, label) tensor batches; time it, watch memory."""
     import torch
 
     rows, checksum = 0, 0.0
     with PeakSampler() as peak:
         started = time.perf_counter()
-        for features, label in _batches(reader, batch_size, width, loader_workers,
-                                        parquet_files):
+        for features, label in _batches(reader, batch_size, width, loader_workers, parquet_files):
             rows += len(label)
             checksum += float(features[:, 0].sum())  # the tensors are really there
         elapsed = time.perf_counter() - started
@@ -102,28 +102,35 @@ def read_rows(reader: str, batch_size: int, width: int, loader_workers: int,
     }
 
 
-def _batches(reader: str, batch_size: int, width: int, loader_workers: int,
-             parquet_files: list[str]) -> Any:
+def _batches(
+    reader: str, batch_size: int, width: int, loader_workers: int, parquet_files: list[str]
+) -> Any:
     import torch
 
     if reader == "dataset":
         from sparkdist import data
 
         yield from torch.utils.data.DataLoader(
-            data.partition_dataset(["features", "label"]), batch_size=batch_size,
-            num_workers=loader_workers)
+            data.partition_dataset(["features", "label"]),
+            batch_size=batch_size,
+            num_workers=loader_workers,
+        )
         return
     if reader == "table":
         from sparkdist import data
 
-        batches = data.partition_table().select(["features", "label"]).to_batches(
-            max_chunksize=batch_size)
+        batches = (
+            data.partition_table()
+            .select(["features", "label"])
+            .to_batches(max_chunksize=batch_size)
+        )
     else:
         import pyarrow.parquet as pq
 
         rank = int(os.environ["RANK"])
         batches = pq.ParquetFile(parquet_files[rank]).iter_batches(
-            batch_size=batch_size, columns=["features", "label"])
+            batch_size=batch_size, columns=["features", "label"]
+        )
     for batch in batches:
         features = batch.column(0).flatten().to_numpy().reshape(-1, width)
         yield torch.from_numpy(features), torch.from_numpy(batch.column(1).to_numpy())
@@ -153,8 +160,7 @@ class WorkerSampler:
                         if "pyspark.daemon" not in " ".join(proc.cmdline()):
                             continue  # ranks, the zygote and its spares have other names
                         rss, anon = PeakSampler(proc.pid).read()
-                        self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(
-                            self.anon_mb, anon)
+                        self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(self.anon_mb, anon)
             self._stop.wait(self._interval_s)
 
     def __enter__(self) -> Self:
@@ -186,10 +192,15 @@ def write_parquet(session: Any, path: Path, rows_per_rank: int, width: int) -> l
 def run_child(args: argparse.Namespace) -> None:
     from sparkdist import Distributor
 
-    session = classic_session("local[2]", "sparkdist-benchmark-dataframe-io", Path.cwd(), {
-        "spark.driver.memory": "2g",
-        "spark.sql.shuffle.partitions": str(NUM_PROCESSES),
-    })
+    session = classic_session(
+        "local[2]",
+        "sparkdist-benchmark-dataframe-io",
+        Path.cwd(),
+        {
+            "spark.driver.memory": "2g",
+            "spark.sql.shuffle.partitions": str(NUM_PROCESSES),
+        },
+    )
     jvm_pid = session.sparkContext._gateway.proc.pid
     distributor = Distributor(NUM_PROCESSES, local_mode=False, use_gpu=False)
     row_bytes = 4 * args.width + 20
@@ -201,8 +212,15 @@ def run_child(args: argparse.Namespace) -> None:
             files = write_parquet(session, tiny, 500, args.width)
             for reader in READERS:
                 frame = session.read.parquet(str(tiny)) if reader != "parquet" else None
-                distributor.run_all(read_rows, reader, args.batch_size, args.width,
-                                    args.loader_workers, files, spark_dataframe=frame)
+                distributor.run_all(
+                    read_rows,
+                    reader,
+                    args.batch_size,
+                    args.width,
+                    args.loader_workers,
+                    files,
+                    spark_dataframe=frame,
+                )
         finally:
             _remove_tree(tiny)
         for size_mb in args.size_mb:
@@ -212,25 +230,49 @@ def run_child(args: argparse.Namespace) -> None:
                 cleanup.callback(_remove_tree, path)
                 started = time.perf_counter()
                 files = write_parquet(session, path, rows_per_rank, args.width)
-                append_records(args.results, [{
-                    "kind": "parquet_written", "size_mb": size_mb, "rows_per_rank": rows_per_rank,
-                    "seconds": time.perf_counter() - started,
-                    "file_mb": [os.path.getsize(f) / MB for f in files]}])
+                append_records(
+                    args.results,
+                    [
+                        {
+                            "kind": "parquet_written",
+                            "size_mb": size_mb,
+                            "rows_per_rank": rows_per_rank,
+                            "seconds": time.perf_counter() - started,
+                            "file_mb": [os.path.getsize(f) / MB for f in files],
+                        }
+                    ],
+                )
                 for index in range(args.runs):
                     for reader in READERS:
                         frame = session.read.parquet(str(path)) if reader != "parquet" else None
                         with WorkerSampler(jvm_pid) as writers:
                             began = time.perf_counter()
                             values = distributor.run_all(
-                                read_rows, reader, args.batch_size, args.width,
-                                args.loader_workers, files, spark_dataframe=frame).values
+                                read_rows,
+                                reader,
+                                args.batch_size,
+                                args.width,
+                                args.loader_workers,
+                                files,
+                                spark_dataframe=frame,
+                            ).values
                             run_s = time.perf_counter() - began
-                        append_records(args.results, [{
-                            "kind": "read", "reader": reader, "size_mb": size_mb,
-                            "round": index, "run_s": run_s, "rank0": values[0],
-                            "rank_rows": [v["rows"] for v in values],
-                            "writer_rss_mb": writers.rss_mb, "writer_anon_mb": writers.anon_mb,
-                        }])
+                        append_records(
+                            args.results,
+                            [
+                                {
+                                    "kind": "read",
+                                    "reader": reader,
+                                    "size_mb": size_mb,
+                                    "round": index,
+                                    "run_s": run_s,
+                                    "rank0": values[0],
+                                    "rank_rows": [v["rows"] for v in values],
+                                    "writer_rss_mb": writers.rss_mb,
+                                    "writer_anon_mb": writers.anon_mb,
+                                }
+                            ],
+                        )
     finally:
         session.stop()
 
@@ -250,77 +292,132 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     figures = []
     for size_mb in sorted(written):
         base = written[size_mb]
-        figures.append({
-            "figure": "parquet_written", "size_mb": size_mb,
-            "rows_per_rank": base["rows_per_rank"], "seconds": rounded(base["seconds"], 2),
-            "file_mb": [rounded(f, 1) for f in base["file_mb"]],
-        })
+        figures.append(
+            {
+                "figure": "parquet_written",
+                "size_mb": size_mb,
+                "rows_per_rank": base["rows_per_rank"],
+                "seconds": rounded(base["seconds"], 2),
+                "file_mb": [rounded(f, 1) for f in base["file_mb"]],
+            }
+        )
         for reader in READERS:
             trials = [s for s in reads if s["size_mb"] == size_mb and s["reader"] == reader]
             if not trials:
                 continue
             rank0 = [t["rank0"] for t in trials]
-            figures.append({
-                "figure": "dataframe_read",
-                "reader": reader,
-                "size_mb": size_mb,
-                "rows_per_s": rounded(median([r["rows"] / r["loop_s"] for r in rank0]), 0),
-                "loop_s": rounded(median([r["loop_s"] for r in rank0]), 3),
-                "run_s": rounded(median([t["run_s"] for t in trials]), 3),
-                "rank_rows": trials[0]["rank_rows"],
-                "rank_peak_rss_mb": rounded(median(
-                    [r["rss_peak_mb"] - r["rss_start_mb"] for r in rank0]), 1),
-                "rank_peak_anon_mb": rounded(median(
-                    [r["anon_peak_mb"] - r["anon_start_mb"] for r in rank0]), 1),
-                "rank_start_rss_mb": rounded(median([r["rss_start_mb"] for r in rank0]), 1),
-                "writer_peak_rss_mb": rounded(median([t["writer_rss_mb"] for t in trials]), 1),
-                "writer_peak_anon_mb": rounded(median([t["writer_anon_mb"] for t in trials]), 1),
-                "runs_rows_per_s": [rounded(r["rows"] / r["loop_s"], 0) for r in rank0],
-                "torch_threads": rank0[0]["torch_threads"],
-            })
+            figures.append(
+                {
+                    "figure": "dataframe_read",
+                    "reader": reader,
+                    "size_mb": size_mb,
+                    "rows_per_s": rounded(median([r["rows"] / r["loop_s"] for r in rank0]), 0),
+                    "loop_s": rounded(median([r["loop_s"] for r in rank0]), 3),
+                    "run_s": rounded(median([t["run_s"] for t in trials]), 3),
+                    "rank_rows": trials[0]["rank_rows"],
+                    "rank_peak_rss_mb": rounded(
+                        median([r["rss_peak_mb"] - r["rss_start_mb"] for r in rank0]), 1
+                    ),
+                    "rank_peak_anon_mb": rounded(
+                        median([r["anon_peak_mb"] - r["anon_start_mb"] for r in rank0]), 1
+                    ),
+                    "rank_start_rss_mb": rounded(median([r["rss_start_mb"] for r in rank0]), 1),
+                    "writer_peak_rss_mb": rounded(median([t["writer_rss_mb"] for t in trials]), 1),
+                    "writer_peak_anon_mb": rounded(
+                        median([t["writer_anon_mb"] for t in trials]), 1
+                    ),
+                    "runs_rows_per_s": [rounded(r["rows"] / r["loop_s"], 0) for r in rank0],
+                    "torch_threads": rank0[0]["torch_threads"],
+                }
+            )
     by = {(f["reader"], f["size_mb"]): f for f in figures if f["figure"] == "dataframe_read"}
     for (reader, size_mb), f in list(by.items()):
         base = by.get(("parquet", size_mb))
         if reader != "parquet" and base and base["rows_per_s"]:
-            figures.append({"figure": "rows_per_s_ratio", "reader": f"{reader}/parquet",
-                            "size_mb": size_mb,
-                            "value": rounded(f["rows_per_s"] / base["rows_per_s"], 3)})
+            figures.append(
+                {
+                    "figure": "rows_per_s_ratio",
+                    "reader": f"{reader}/parquet",
+                    "size_mb": size_mb,
+                    "value": rounded(f["rows_per_s"] / base["rows_per_s"], 3),
+                }
+            )
     return figures
 
 
 def table(figures: list[dict[str, Any]]) -> str:
-    ratios = {(f["reader"].split("/")[0], f["size_mb"]): f["value"]
-              for f in figures if f["figure"] == "rows_per_s_ratio"}
+    ratios = {
+        (f["reader"].split("/")[0], f["size_mb"]): f["value"]
+        for f in figures
+        if f["figure"] == "rows_per_s_ratio"
+    }
     written = {f["size_mb"]: f for f in figures if f["figure"] == "parquet_written"}
     rows = []
     for f in figures:
         if f["figure"] != "dataframe_read":
             continue
         value = ratios.get((f["reader"], f["size_mb"]))
-        rows.append((
-            f"{f['size_mb']:g} MB", f["reader"], f"{f['rows_per_s']:,.0f}",
-            "-" if value is None else f"{value:.2f}x", seconds(f["loop_s"]), seconds(f["run_s"]),
-            megabytes(f["rank_peak_rss_mb"]), megabytes(f["rank_peak_anon_mb"]),
-            megabytes(f["writer_peak_rss_mb"]), megabytes(f["writer_peak_anon_mb"]),
-            (f"rows/rank {f['rank_rows']}; rank RSS at start {f['rank_start_rss_mb']:.0f} MB; "
-             f"parquet written in {written[f['size_mb']]['seconds']:.1f} s"),
-        ))
-    return format_table(("per rank", "reader", "rows/s", "vs parquet", "loop", "run",
-                         "rank +RSS", "rank +anon", "writer RSS", "writer anon", "notes"), rows)
+        rows.append(
+            (
+                f"{f['size_mb']:g} MB",
+                f["reader"],
+                f"{f['rows_per_s']:,.0f}",
+                "-" if value is None else f"{value:.2f}x",
+                seconds(f["loop_s"]),
+                seconds(f["run_s"]),
+                megabytes(f["rank_peak_rss_mb"]),
+                megabytes(f["rank_peak_anon_mb"]),
+                megabytes(f["writer_peak_rss_mb"]),
+                megabytes(f["writer_peak_anon_mb"]),
+                (
+                    f"rows/rank {f['rank_rows']}; "
+                    f"rank RSS at start {f['rank_start_rss_mb']:.0f} MB; "
+                    f"parquet written in {written[f['size_mb']]['seconds']:.1f} s"
+                ),
+            )
+        )
+    return format_table(
+        (
+            "per rank",
+            "reader",
+            "rows/s",
+            "vs parquet",
+            "loop",
+            "run",
+            "rank +RSS",
+            "rank +anon",
+            "writer RSS",
+            "writer anon",
+            "notes",
+        ),
+        rows,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"rounds per size (default {DEFAULT_RUNS}, {QUICK_RUNS} with "
-                        "--quick)")
-    parser.add_argument("--size-mb", type=float, nargs="+", default=None,
-                        help="data per rank in MB of 2^20 bytes (default 64 256; 16 with "
-                        "--quick; 1024 is issue 5's 1 GiB partition)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"rounds per size (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
+    )
+    parser.add_argument(
+        "--size-mb",
+        type=float,
+        nargs="+",
+        default=None,
+        help="data per rank in MB of 2^20 bytes (default 64 256; 16 with "
+        "--quick; 1024 is issue 5's 1 GiB partition)",
+    )
     parser.add_argument("--width", type=int, default=64, help="floats per features array")
     parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--loader-workers", type=int, default=0,
-                        help="DataLoader num_workers for the dataset reader (default 0)")
+    parser.add_argument(
+        "--loader-workers",
+        type=int,
+        default=0,
+        help="DataLoader num_workers for the dataset reader (default 0)",
+    )
     parser.add_argument("--quick", action="store_true", help="16 MB per rank, 1 round")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
@@ -339,16 +436,34 @@ def main(argv: list[str]) -> None:
     if args.child:
         run_child(args)
         return
-    argv_child = ["--runs", str(args.runs), "--size-mb", *map(str, args.size_mb),
-                  "--width", str(args.width), "--batch-size", str(args.batch_size),
-                  "--loader-workers", str(args.loader_workers)]
+    argv_child = [
+        "--runs",
+        str(args.runs),
+        "--size-mb",
+        *map(str, args.size_mb),
+        "--width",
+        str(args.width),
+        "--batch-size",
+        str(args.batch_size),
+        "--loader-workers",
+        str(args.loader_workers),
+    ]
     budget_s = 600 + sum(args.size_mb) * args.runs * 3.0
     with Bench(SCRIPT) as bench:
         samples = bench.child("local[2]", argv_child, budget_s=budget_s)
     figures = summarize(samples)
-    emit([*figures, bench.machine(runs=args.runs, width=args.width,
-                                  batch_size=args.batch_size,
-                                  loader_workers=args.loader_workers)], table(figures))
+    emit(
+        [
+            *figures,
+            bench.machine(
+                runs=args.runs,
+                width=args.width,
+                batch_size=args.batch_size,
+                loader_workers=args.loader_workers,
+            ),
+        ],
+        table(figures),
+    )
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def kill_ranks() -> None:
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
             if proc.name().startswith("sparkdist-r") or "sparkdist._node.worker" in " ".join(
-                    proc.cmdline()):
+                proc.cmdline()
+            ):
                 proc.kill()
 
 
@@ -107,7 +108,10 @@ def sparkdist_trial(
 
     stamp = os.path.join(stamps, uuid.uuid4().hex)
     distributor = Distributor(
-        NUM_PROCESSES, local_mode=local_mode, use_gpu=False, timeout_s=args.failure_timeout_s,
+        NUM_PROCESSES,
+        local_mode=local_mode,
+        use_gpu=False,
+        timeout_s=args.failure_timeout_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s if fault == "hang" else None,
     )
     run: Callable[[], Any] = lambda: distributor.run(_fault_jobs.inject, fault, stamp)
@@ -115,12 +119,19 @@ def sparkdist_trial(
     left = survivors()
     if trial.timed_out:
         kill_ranks()
-        return {"outcome": "timeout", "seconds": None, "named": False, "explained": False,
-                "survivors": left, "first_error": ""}
+        return {
+            "outcome": "timeout",
+            "seconds": None,
+            "named": False,
+            "explained": False,
+            "survivors": left,
+            "first_error": "",
+        }
     error = trial.error
     raised_at = read_stamp(stamp)
     named = isinstance(error, WorkerFailedError) and (
-        error.root_cause.rank == _fault_jobs.FAILING_RANK)
+        error.root_cause.rank == _fault_jobs.FAILING_RANK
+    )
     return {
         "outcome": "returned" if error is None else type(error).__name__,
         "seconds": None if error is None or raised_at is None else trial.ended_at - raised_at,
@@ -134,10 +145,11 @@ def sparkdist_trial(
 def torchrun_trial(fault: str, args: argparse.Namespace, stamps: str) -> dict[str, Any]:
     """The same fault under torchrun: latency to its exit, and whether it names rank 1."""
     stamp = os.path.join(stamps, uuid.uuid4().hex)
-    done = run_torchrun(NUM_PROCESSES, _fault_jobs.__file__, fault, stamp,
-                        timeout_s=args.failure_timeout_s)
+    done = run_torchrun(
+        NUM_PROCESSES, _fault_jobs.__file__, fault, stamp, timeout_s=args.failure_timeout_s
+    )
     ended_at, raised_at = time.time(), read_stamp(stamp)
-    root = done.output[done.output.find("Root Cause"):] if "Root Cause" in done.output else ""
+    root = done.output[done.output.find("Root Cause") :] if "Root Cause" in done.output else ""
     named = re.search(rf"rank\s*:\s*{_fault_jobs.FAILING_RANK}\b", root) is not None
     exitcode = re.search(r"exitcode\s*:\s*(-?\d+)", root)
     if done.returncode is None:
@@ -148,12 +160,16 @@ def torchrun_trial(fault: str, args: argparse.Namespace, stamps: str) -> dict[st
         outcome = f"exit {done.returncode}"
     return {
         "outcome": outcome,
-        "seconds": None if done.returncode in (None, 0) or raised_at is None
+        "seconds": None
+        if done.returncode in (None, 0) or raised_at is None
         else ended_at - raised_at,
         "named": named,
-        "explained": EXPLANATIONS[fault] in done.output or bool(
-            exitcode and fault in ("exit3", "sigkill", "segfault")
-            and exitcode.group(1) == {"exit3": "3", "sigkill": "-9", "segfault": "-11"}[fault]),
+        "explained": EXPLANATIONS[fault] in done.output
+        or bool(
+            exitcode
+            and fault in ("exit3", "sigkill", "segfault")
+            and exitcode.group(1) == {"exit3": "3", "sigkill": "-9", "segfault": "-11"}[fault]
+        ),
         "survivors": 0,
         "first_error": f"root cause exitcode {exitcode.group(1)}" if exitcode else "",
     }
@@ -178,18 +194,37 @@ def run_child(args: argparse.Namespace) -> None:
     faults = args.faults if local_mode else args.spark_faults
     try:
         Distributor(NUM_PROCESSES, local_mode=local_mode, use_gpu=False).run(
-            lambda: None)  # warm-up: the pool (and the executors' Python workers) start
+            lambda: None
+        )  # warm-up: the pool (and the executors' Python workers) start
         with tempfile.TemporaryDirectory(prefix="bench-fault-stamps-") as stamps:
             for index in range(args.runs):
                 for fault in faults:
                     record = sparkdist_trial(fault, local_mode, args, stamps)
-                    append_records(args.results, [{
-                        "mode": args.child, "launcher": "sparkdist", "fault": fault,
-                        "round": index, **record}])
+                    append_records(
+                        args.results,
+                        [
+                            {
+                                "mode": args.child,
+                                "launcher": "sparkdist",
+                                "fault": fault,
+                                "round": index,
+                                **record,
+                            }
+                        ],
+                    )
                     if local_mode and fault != "hang" and args.torchrun:
-                        append_records(args.results, [{
-                            "mode": "local", "launcher": "torchrun", "fault": fault,
-                            "round": index, **torchrun_trial(fault, args, stamps)}])
+                        append_records(
+                            args.results,
+                            [
+                                {
+                                    "mode": "local",
+                                    "launcher": "torchrun",
+                                    "fault": fault,
+                                    "round": index,
+                                    **torchrun_trial(fault, args, stamps),
+                                }
+                            ],
+                        )
     finally:
         if session is not None:
             session.stop()
@@ -206,25 +241,29 @@ def summarize(samples: list[dict[str, Any]], heartbeat_timeout_s: float) -> list
         for t in trials:
             outcomes[t["outcome"]] = outcomes.get(t["outcome"], 0) + 1
         took = median(latencies)
-        figures.append({
-            "figure": "fault_to_error_s",
-            "fault": fault,
-            "mode": mode,
-            "launcher": launcher,
-            "median": rounded(took),
-            "beyond_timeout_s": rounded(took - heartbeat_timeout_s)
-            if fault == "hang" and took is not None else None,
-            "runs": [rounded(x) for x in latencies],
-            "outcomes": outcomes,
-            "root_cause_named": sum(t["named"] for t in trials),
-            "explained": sum(t["explained"] for t in trials),
-            "trials": len(trials),
-            "survivors": sum(t["survivors"] for t in trials),
-            "first_error": next((t["first_error"] for t in trials if t["first_error"]), ""),
-        })
+        figures.append(
+            {
+                "figure": "fault_to_error_s",
+                "fault": fault,
+                "mode": mode,
+                "launcher": launcher,
+                "median": rounded(took),
+                "beyond_timeout_s": rounded(took - heartbeat_timeout_s)
+                if fault == "hang" and took is not None
+                else None,
+                "runs": [rounded(x) for x in latencies],
+                "outcomes": outcomes,
+                "root_cause_named": sum(t["named"] for t in trials),
+                "explained": sum(t["explained"] for t in trials),
+                "trials": len(trials),
+                "survivors": sum(t["survivors"] for t in trials),
+                "first_error": next((t["first_error"] for t in trials if t["first_error"]), ""),
+            }
+        )
     order = list(_fault_jobs.FAULTS)
-    figures.sort(key=lambda f: (f["mode"] != "local", order.index(f["fault"]),
-                                f["launcher"] != "sparkdist"))
+    figures.sort(
+        key=lambda f: (f["mode"] != "local", order.index(f["fault"]), f["launcher"] != "sparkdist")
+    )
     return figures
 
 
@@ -232,32 +271,74 @@ def table(figures: list[dict[str, Any]]) -> str:
     rows = []
     for f in figures:
         kinds = ", ".join(f"{k} {v}/{f['trials']}" for k, v in sorted(f["outcomes"].items()))
-        rows.append((
-            f["fault"], f["mode"], f["launcher"], seconds(f["median"]),
-            seconds(f["beyond_timeout_s"]), kinds,
-            f"{f['root_cause_named']}/{f['trials']}", f"{f['explained']}/{f['trials']}",
-            str(f["survivors"]),
-            "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
-        ))
-    return format_table(("fault", "mode", "launcher", "fault->error", "beyond timeout",
-                         "driver got", "rank named", "explained", "survivors", "notes"), rows)
+        rows.append(
+            (
+                f["fault"],
+                f["mode"],
+                f["launcher"],
+                seconds(f["median"]),
+                seconds(f["beyond_timeout_s"]),
+                kinds,
+                f"{f['root_cause_named']}/{f['trials']}",
+                f"{f['explained']}/{f['trials']}",
+                str(f["survivors"]),
+                "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
+            )
+        )
+    return format_table(
+        (
+            "fault",
+            "mode",
+            "launcher",
+            "fault->error",
+            "beyond timeout",
+            "driver got",
+            "rank named",
+            "explained",
+            "survivors",
+            "notes",
+        ),
+        rows,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"trials per fault (default {DEFAULT_RUNS}, {QUICK_RUNS} with "
-                        "--quick)")
-    parser.add_argument("--faults", nargs="+", choices=_fault_jobs.FAULTS,
-                        default=list(_fault_jobs.FAULTS), help="faults in local mode")
-    parser.add_argument("--spark-faults", nargs="*", choices=_fault_jobs.FAULTS,
-                        default=["raise"], help="faults on local[2] (default: raise)")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=2.0,
-                        help="heartbeat_timeout_s for the hang (default 2)")
-    parser.add_argument("--failure-timeout-s", type=float, default=DEFAULT_FAILURE_TIMEOUT_S,
-                        help="give up on a trial after this long (default 120)")
-    parser.add_argument("--no-torchrun", dest="torchrun", action="store_false",
-                        help="skip the torchrun baseline")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"trials per fault (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
+    )
+    parser.add_argument(
+        "--faults",
+        nargs="+",
+        choices=_fault_jobs.FAULTS,
+        default=list(_fault_jobs.FAULTS),
+        help="faults in local mode",
+    )
+    parser.add_argument(
+        "--spark-faults",
+        nargs="*",
+        choices=_fault_jobs.FAULTS,
+        default=["raise"],
+        help="faults on local[2] (default: raise)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=2.0,
+        help="heartbeat_timeout_s for the hang (default 2)",
+    )
+    parser.add_argument(
+        "--failure-timeout-s",
+        type=float,
+        default=DEFAULT_FAILURE_TIMEOUT_S,
+        help="give up on a trial after this long (default 120)",
+    )
+    parser.add_argument(
+        "--no-torchrun", dest="torchrun", action="store_false", help="skip the torchrun baseline"
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs per fault")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
@@ -274,23 +355,35 @@ def main(argv: list[str]) -> None:
     if args.child:
         run_child(args)
         return
-    common = ["--runs", str(args.runs), "--faults", *args.faults,
-              "--spark-faults", *args.spark_faults,
-              "--heartbeat-timeout-s", str(args.heartbeat_timeout_s),
-              "--failure-timeout-s", str(args.failure_timeout_s)]
+    common = [
+        "--runs",
+        str(args.runs),
+        "--faults",
+        *args.faults,
+        "--spark-faults",
+        *args.spark_faults,
+        "--heartbeat-timeout-s",
+        str(args.heartbeat_timeout_s),
+        "--failure-timeout-s",
+        str(args.failure_timeout_s),
+    ]
     if not args.torchrun:
         common.append("--no-torchrun")
     per_trial_s = 60 + args.failure_timeout_s
     samples = []
     with Bench(SCRIPT) as bench:
-        samples += bench.child("local", common,
-                               budget_s=300 + 2 * args.runs * len(args.faults) * per_trial_s)
+        samples += bench.child(
+            "local", common, budget_s=300 + 2 * args.runs * len(args.faults) * per_trial_s
+        )
         if args.spark_faults:
-            samples += bench.child("local[2]", common,
-                                   budget_s=300 + args.runs * len(args.spark_faults) * per_trial_s)
+            samples += bench.child(
+                "local[2]", common, budget_s=300 + args.runs * len(args.spark_faults) * per_trial_s
+            )
     figures = summarize(samples, args.heartbeat_timeout_s)
-    emit([*figures, bench.machine(runs=args.runs, heartbeat_timeout_s=args.heartbeat_timeout_s)],
-         table(figures))
+    emit(
+        [*figures, bench.machine(runs=args.runs, heartbeat_timeout_s=args.heartbeat_timeout_s)],
+        table(figures),
+    )
 
 
 if __name__ == "__main__":

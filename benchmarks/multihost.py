@@ -87,7 +87,7 @@ for _ in range(RUNS):
 samples["pyspark"] = []
 for _ in range(PYSPARK_RUNS):
     samples["pyspark"].append(
-        timed(lambda: TorchDistributor(num_processes=2, local_mode=False, use_gpu=False).run(no_comm))[0])
+        timed(lambda: TorchDistributor(2, local_mode=False, use_gpu=False).run(no_comm))[0])
 result = samples
 """
 
@@ -121,27 +121,43 @@ def main() -> None:
         driver = cluster.start_driver(SPARKDIST_MLFLOW="0")
         driver.check(DRIVER_CODE)
         round_code = ROUND.replace("PYSPARK_RUNS", str(args.pyspark_runs)).replace(
-            "RUNS", str(args.runs))
+            "RUNS", str(args.runs)
+        )
         figures["no delay"] = medians(driver.check(round_code, timeout_s=1200))
         for host in cluster.workers + ["driver"]:
             cluster.lab.delay(host, args.rtt_ms / 4)  # four relay hops per round trip
         figures[f"+{args.rtt_ms:g} ms RTT"] = medians(driver.check(round_code, timeout_s=1200))
     finally:
         cluster.lab.close()
-    names = ["floor", "sparkdist_nocomm", "sparkdist_gloo", "pyspark", "gloo_init",
-             "gloo_all_reduce", "gloo_destroy"]
+    names = [
+        "floor",
+        "sparkdist_nocomm",
+        "sparkdist_gloo",
+        "pyspark",
+        "gloo_init",
+        "gloo_all_reduce",
+        "gloo_destroy",
+    ]
     print("| network | " + " | ".join(names) + " | pyspark / sparkdist_gloo |")
     print("| --- " * (len(names) + 2) + "|")
     for network, row in figures.items():
         cells = [f"{row[n]:.3f} s" if row.get(n) is not None else "-" for n in names]
-        speedup = (row["pyspark"] / row["sparkdist_gloo"]
-                   if row.get("pyspark") and row.get("sparkdist_gloo") else None)
-        print(f"| {network} | " + " | ".join(cells) + f" | {speedup:.0f}x |" if speedup
-              else f"| {network} | " + " | ".join(cells) + " | - |")
+        speedup = (
+            row["pyspark"] / row["sparkdist_gloo"]
+            if row.get("pyspark") and row.get("sparkdist_gloo")
+            else None
+        )
+        print(
+            f"| {network} | " + " | ".join(cells) + f" | {speedup:.0f}x |"
+            if speedup
+            else f"| {network} | " + " | ".join(cells) + " | - |"
+        )
     base, delayed = figures["no delay"], figures[f"+{args.rtt_ms:g} ms RTT"]
     rtt_s = args.rtt_ms / 1000
-    growth = {n: (delayed[n] or 0) - (base[n] or 0) for n in ("floor", "sparkdist_nocomm",
-                                                              "sparkdist_gloo")}
+    growth = {
+        n: (delayed[n] or 0) - (base[n] or 0)
+        for n in ("floor", "sparkdist_nocomm", "sparkdist_gloo")
+    }
     extra = {
         "rtt_s": rtt_s,
         "floor_growth_rtts": growth["floor"] / rtt_s,

@@ -8,8 +8,8 @@ For each size (``--sizes-mb``, always with 0, the launch alone) and kind:
   of the size-0 runs of the same launcher and mode (what moving the payload costs);
 - ``driver_peak_mb``: the driver process's peak RSS during the call (its ``VmHWM``, reset just
   before) minus its RSS just before; the children run with ``MALLOC_MMAP_THRESHOLD_=1048576`` so
-  freed payload copies leave RSS and the next call's copies show; ``peak_per_payload`` divides it by the payload size
-  (1.0: one copy of the payload on the driver at the peak);
+  freed payload copies leave RSS and the next call's copies show; ``peak_per_payload`` divides
+  it by the payload size (1.0: one copy of the payload on the driver at the peak);
 - ``jvm_peak_mb`` (Spark modes): the same for the driver's JVM (in ``local[2]`` also the
   executor) — the JVM rarely gives memory back, so this is the growth past its earlier peak.
 
@@ -104,7 +104,8 @@ def pyspark_call(local_mode: bool) -> Callable[[float, str], Any]:
     from pyspark.ml.torch.distributor import TorchDistributor
 
     distributor = TorchDistributor(
-        num_processes=NUM_PROCESSES, local_mode=local_mode, use_gpu=False)
+        num_processes=NUM_PROCESSES, local_mode=local_mode, use_gpu=False
+    )
 
     def call(size_mb: float, kind: str) -> Any:
         # pyspark's local mode returns whichever rank wrote its output last, so there every
@@ -132,12 +133,13 @@ def pickled_by_value(module: ModuleType) -> Iterator[None]:
         pyspark_cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
-def trial(call: Callable[[float, str], Any], size_mb: float, kind: str,
-          jvm_pid: int | None) -> dict[str, Any]:
+def trial(
+    call: Callable[[float, str], Any], size_mb: float, kind: str, jvm_pid: int | None
+) -> dict[str, Any]:
     """One call: its wall time and the peaks of the driver (and JVM) over it."""
     gc.collect()
     jvm = PeakSampler(jvm_pid, SAMPLE_INTERVAL_S) if jvm_pid else None
-    with PeakSampler(None, SAMPLE_INTERVAL_S) as driver, (jvm or contextlib.nullcontext()):
+    with PeakSampler(None, SAMPLE_INTERVAL_S) as driver, jvm or contextlib.nullcontext():
         started = time.perf_counter()
         value = call(size_mb, kind)
         elapsed = time.perf_counter() - started
@@ -153,13 +155,21 @@ def trial(call: Callable[[float, str], Any], size_mb: float, kind: str,
 def run_child(args: argparse.Namespace) -> None:
     """This child's mode(s): local without Spark, or a local[2] session (stopped at the end)."""
     if args.child == "local":
-        measure(args, {("local", "sparkdist"): sparkdist_call(True),
-                       ("local", "pickle"): pickle_call}, None)
+        measure(
+            args,
+            {("local", "sparkdist"): sparkdist_call(True), ("local", "pickle"): pickle_call},
+            None,
+        )
         return
-    session = classic_session(args.child, "sparkdist-benchmark-result-size", Path.cwd(), {
-        "spark.driver.maxResultSize": "0",
-        "spark.driver.memory": "2g",
-    })
+    session = classic_session(
+        args.child,
+        "sparkdist-benchmark-result-size",
+        Path.cwd(),
+        {
+            "spark.driver.maxResultSize": "0",
+            "spark.driver.memory": "2g",
+        },
+    )
     try:
         calls = {("local[2]", "sparkdist"): sparkdist_call(False)}
         if args.pyspark:
@@ -170,11 +180,14 @@ def run_child(args: argparse.Namespace) -> None:
         session.stop()
 
 
-def measure(args: argparse.Namespace, calls: dict[tuple[str, str], Callable[[float, str], Any]],
-            jvm_pid: int | None) -> None:
+def measure(
+    args: argparse.Namespace,
+    calls: dict[tuple[str, str], Callable[[float, str], Any]],
+    jvm_pid: int | None,
+) -> None:
     """Every (size, kind, launcher), in turns, ``--runs`` times, after one warm-up each."""
     sizes = [0.0, *args.sizes_mb]
-    for (mode, launcher), call in calls.items():  # warm-up: pool, executors, numpy import
+    for (_mode, launcher), call in calls.items():  # warm-up: pool, executors, numpy import
         for kind in KINDS:
             if launcher != "pyspark" or kind == "bytes":
                 call(0.0, kind)
@@ -182,18 +195,26 @@ def measure(args: argparse.Namespace, calls: dict[tuple[str, str], Callable[[flo
     for index in range(args.runs):
         # Each round starts with another launcher: the JVM rarely returns memory, so whoever
         # moves a large payload first would otherwise always carry its growth.
-        turn = items[index % len(items):] + items[:index % len(items)]
+        turn = items[index % len(items) :] + items[: index % len(items)]
         for size_mb in sizes:
             for kind in KINDS:
                 for (mode, launcher), call in turn:
                     if launcher == "pyspark" and kind != "bytes":
                         continue
-                    measured = trial(call, size_mb, kind,
-                                     jvm_pid if launcher != "pickle" else None)
-                    append_records(args.results, [{
-                        "mode": mode, "launcher": launcher, "kind": kind, "size_mb": size_mb,
-                        "round": index, **measured,
-                    }])
+                    measured = trial(call, size_mb, kind, jvm_pid if launcher != "pickle" else None)
+                    append_records(
+                        args.results,
+                        [
+                            {
+                                "mode": mode,
+                                "launcher": launcher,
+                                "kind": kind,
+                                "size_mb": size_mb,
+                                "round": index,
+                                **measured,
+                            }
+                        ],
+                    )
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -205,57 +226,105 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((s["mode"], s["launcher"], s["kind"], s["size_mb"]), []).append(s)
     figures = []
     for (mode, launcher, kind, size_mb), trials in groups.items():
-        empty = [s["seconds"] for s in samples if s["mode"] == mode
-                 and s["launcher"] == launcher and s["kind"] == kind and s["size_mb"] == 0]
+        empty = [
+            s["seconds"]
+            for s in samples
+            if s["mode"] == mode
+            and s["launcher"] == launcher
+            and s["kind"] == kind
+            and s["size_mb"] == 0
+        ]
         took = median([t["seconds"] for t in trials])
         driver = median([t["driver_peak_mb"] for t in trials])
         jvm = [t["jvm_peak_mb"] for t in trials if t["jvm_peak_mb"] is not None]
         over = None if took is None or not empty else took - (median(empty) or 0.0)
-        figures.append({
-            "figure": "result",
-            "mode": mode,
-            "launcher": launcher,
-            "kind": kind,
-            "size_mb": size_mb,
-            "seconds": rounded(took),
-            "over_empty_s": rounded(over) if size_mb else None,
-            "mb_per_s": rounded(size_mb / over, 1) if size_mb and over and over > 0 else None,
-            "driver_peak_mb": rounded(driver, 1),
-            "peak_per_payload": rounded(driver / size_mb, 2) if size_mb and driver else None,
-            "jvm_peak_mb": rounded(median(jvm), 1) if jvm else None,
-            "runs": [rounded(t["seconds"]) for t in trials],
-            "driver_peak_runs": [rounded(t["driver_peak_mb"], 1) for t in trials],
-        })
+        figures.append(
+            {
+                "figure": "result",
+                "mode": mode,
+                "launcher": launcher,
+                "kind": kind,
+                "size_mb": size_mb,
+                "seconds": rounded(took),
+                "over_empty_s": rounded(over) if size_mb else None,
+                "mb_per_s": rounded(size_mb / over, 1) if size_mb and over and over > 0 else None,
+                "driver_peak_mb": rounded(driver, 1),
+                "peak_per_payload": rounded(driver / size_mb, 2) if size_mb and driver else None,
+                "jvm_peak_mb": rounded(median(jvm), 1) if jvm else None,
+                "runs": [rounded(t["seconds"]) for t in trials],
+                "driver_peak_runs": [rounded(t["driver_peak_mb"], 1) for t in trials],
+            }
+        )
     order = {"local": 0, "local[2]": 1}
-    figures.sort(key=lambda f: (order[f["mode"]], f["launcher"] != "sparkdist", f["launcher"],
-                                f["kind"], f["size_mb"]))
+    figures.sort(
+        key=lambda f: (
+            order[f["mode"]],
+            f["launcher"] != "sparkdist",
+            f["launcher"],
+            f["kind"],
+            f["size_mb"],
+        )
+    )
     return figures
 
 
 def table(figures: list[dict[str, Any]]) -> str:
-    rows = [(
-        f["mode"], f["launcher"], f["kind"], f"{f['size_mb']:g} MB", seconds(f["seconds"]),
-        seconds(f["over_empty_s"]), "-" if f["mb_per_s"] is None else f"{f['mb_per_s']:.0f}",
-        megabytes(f["driver_peak_mb"]),
-        "-" if f["peak_per_payload"] is None else f"{f['peak_per_payload']:.2f}x",
-        megabytes(f["jvm_peak_mb"]),
-        "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
-    ) for f in figures]
-    return format_table(("mode", "launcher", "kind", "payload", "time", "over empty", "MB/s",
-                         "driver peak", "peak/payload", "JVM peak", "notes"), rows)
+    rows = [
+        (
+            f["mode"],
+            f["launcher"],
+            f["kind"],
+            f"{f['size_mb']:g} MB",
+            seconds(f["seconds"]),
+            seconds(f["over_empty_s"]),
+            "-" if f["mb_per_s"] is None else f"{f['mb_per_s']:.0f}",
+            megabytes(f["driver_peak_mb"]),
+            "-" if f["peak_per_payload"] is None else f"{f['peak_per_payload']:.2f}x",
+            megabytes(f["jvm_peak_mb"]),
+            "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
+        )
+        for f in figures
+    ]
+    return format_table(
+        (
+            "mode",
+            "launcher",
+            "kind",
+            "payload",
+            "time",
+            "over empty",
+            "MB/s",
+            "driver peak",
+            "peak/payload",
+            "JVM peak",
+            "notes",
+        ),
+        rows,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)")
-    parser.add_argument("--sizes-mb", type=float, nargs="+", default=None,
-                        help="payload sizes in MB of 2^20 bytes (default 10 100; 10 with "
-                        "--quick); 0 (the launch alone) is always measured")
-    parser.add_argument("--modes", nargs="+", choices=("local", "local[2]"),
-                        default=["local", "local[2]"])
-    parser.add_argument("--no-pyspark", dest="pyspark", action="store_false",
-                        help="skip pyspark's TorchDistributor")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
+    )
+    parser.add_argument(
+        "--sizes-mb",
+        type=float,
+        nargs="+",
+        default=None,
+        help="payload sizes in MB of 2^20 bytes (default 10 100; 10 with "
+        "--quick); 0 (the launch alone) is always measured",
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=("local", "local[2]"), default=["local", "local[2]"]
+    )
+    parser.add_argument(
+        "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
+    )
     parser.add_argument("--quick", action="store_true", help="10 MB only, 1 round")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
@@ -282,8 +351,12 @@ def main(argv: list[str]) -> None:
     samples = []
     with Bench(SCRIPT) as bench:
         for mode in args.modes:
-            samples += bench.child(mode, common, budget_s=300 + args.runs * trials * 240,
-                                   env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+            samples += bench.child(
+                mode,
+                common,
+                budget_s=300 + args.runs * trials * 240,
+                env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
+            )
     figures = summarize(samples)
     emit([*figures, bench.machine(rounds=args.runs, sizes_mb=args.sizes_mb)], table(figures))
 

@@ -66,10 +66,17 @@ def run_child(args: argparse.Namespace) -> None:
         launches.append(time.perf_counter() - began)
         if values != list(range(args.ranks[0])):
             raise RuntimeError(f"unexpected values {values}")
-    append_records(args.results, [{
-        "ranks": args.ranks[0], "import_s": import_s, "cold_s": launches[0],
-        "warm_s": launches[1:],
-    }])
+    append_records(
+        args.results,
+        [
+            {
+                "ranks": args.ranks[0],
+                "import_s": import_s,
+                "cold_s": launches[0],
+                "warm_s": launches[1:],
+            }
+        ],
+    )
 
 
 def measure(bench: Bench, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -78,16 +85,22 @@ def measure(bench: Bench, args: argparse.Namespace) -> list[dict[str, Any]]:
     for index in range(args.runs):
         for ranks in args.ranks:
             bench.note(f"round {index + 1}/{args.runs}: {ranks} rank(s)")
-            samples += bench.child(f"local-{ranks}", [
-                "--ranks", str(ranks), "--warm-runs", str(args.warm_runs)],
-                budget_s=300 + 60 * ranks)
-            done = run_torchrun(ranks, _jobs.__file__, "all_reduce", timeout_s=300,
-                                cwd=bench.scratch)
+            samples += bench.child(
+                f"local-{ranks}",
+                ["--ranks", str(ranks), "--warm-runs", str(args.warm_runs)],
+                budget_s=300 + 60 * ranks,
+            )
+            done = run_torchrun(
+                ranks, _jobs.__file__, "all_reduce", timeout_s=300, cwd=bench.scratch
+            )
             if done.returncode != 0:
-                bench.note(f"torchrun with {ranks} rank(s) failed ({done.returncode}):\n"
-                           + done.output[-2000:])
-            samples.append({"ranks": ranks, "torchrun_s": done.wall_s if done.returncode == 0
-                            else None})
+                bench.note(
+                    f"torchrun with {ranks} rank(s) failed ({done.returncode}):\n"
+                    + done.output[-2000:]
+                )
+            samples.append(
+                {"ranks": ranks, "torchrun_s": done.wall_s if done.returncode == 0 else None}
+            )
     return samples
 
 
@@ -95,52 +108,88 @@ def summarize(samples: list[dict[str, Any]], ranks: list[int]) -> list[dict[str,
     figures = []
     for n in ranks:
         children = [s for s in samples if s["ranks"] == n and "cold_s" in s]
-        torchrun = [s["torchrun_s"] for s in samples
-                    if s["ranks"] == n and s.get("torchrun_s") is not None]
+        torchrun = [
+            s["torchrun_s"] for s in samples if s["ranks"] == n and s.get("torchrun_s") is not None
+        ]
         cold = [s["cold_s"] for s in children]
         warm = [w for s in children for w in s["warm_s"]]
         second = [s["warm_s"][0] for s in children if s["warm_s"]]
         later = [w for s in children for w in s["warm_s"][1:]]
-        figures.append({
-            "figure": "launch_s",
-            "ranks": n,
-            "cold_s": rounded(median(cold)),
-            "warm_s": rounded(median(warm)),
-            "second_s": rounded(median(second)),
-            "third_on_s": rounded(median(later)),
-            "torchrun_s": rounded(median(torchrun)),
-            "import_s": rounded(median([s["import_s"] for s in children])),
-            "cold_runs": [rounded(c) for c in cold],
-            "warm_runs": [[rounded(w) for w in s["warm_s"]] for s in children],
-            "torchrun_runs": [rounded(t) for t in torchrun],
-            "cold_vs_torchrun": rounded(ratio(median(cold), median(torchrun)), 3),
-            "warm_vs_torchrun": rounded(ratio(median(warm), median(torchrun)), 4),
-        })
+        figures.append(
+            {
+                "figure": "launch_s",
+                "ranks": n,
+                "cold_s": rounded(median(cold)),
+                "warm_s": rounded(median(warm)),
+                "second_s": rounded(median(second)),
+                "third_on_s": rounded(median(later)),
+                "torchrun_s": rounded(median(torchrun)),
+                "import_s": rounded(median([s["import_s"] for s in children])),
+                "cold_runs": [rounded(c) for c in cold],
+                "warm_runs": [[rounded(w) for w in s["warm_s"]] for s in children],
+                "torchrun_runs": [rounded(t) for t in torchrun],
+                "cold_vs_torchrun": rounded(ratio(median(cold), median(torchrun)), 3),
+                "warm_vs_torchrun": rounded(ratio(median(warm), median(torchrun)), 4),
+            }
+        )
     return figures
 
 
 def table(figures: list[dict[str, Any]]) -> str:
-    rows = [(
-        str(f["ranks"]), seconds(f["cold_s"]), seconds(f["warm_s"]), seconds(f["second_s"]),
-        seconds(f["third_on_s"]), seconds(f["torchrun_s"]), times(f["cold_vs_torchrun"]),
-        times(f["warm_vs_torchrun"]),
-        f"import sparkdist {seconds(f['import_s'])}; cold runs "
-        + " ".join(f"{c:.2f}" for c in f["cold_runs"]),
-    ) for f in figures]
-    return format_table(("ranks", "cold", "warm", "2nd run", "3rd+ runs", "torchrun",
-                         "cold/torchrun", "warm/torchrun", "notes"), rows)
+    rows = [
+        (
+            str(f["ranks"]),
+            seconds(f["cold_s"]),
+            seconds(f["warm_s"]),
+            seconds(f["second_s"]),
+            seconds(f["third_on_s"]),
+            seconds(f["torchrun_s"]),
+            times(f["cold_vs_torchrun"]),
+            times(f["warm_vs_torchrun"]),
+            f"import sparkdist {seconds(f['import_s'])}; cold runs "
+            + " ".join(f"{c:.2f}" for c in f["cold_runs"]),
+        )
+        for f in figures
+    ]
+    return format_table(
+        (
+            "ranks",
+            "cold",
+            "warm",
+            "2nd run",
+            "3rd+ runs",
+            "torchrun",
+            "cold/torchrun",
+            "warm/torchrun",
+            "notes",
+        ),
+        rows,
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"rounds: fresh children per rank count (default {DEFAULT_RUNS}, "
-                        f"{QUICK_RUNS} with --quick)")
-    parser.add_argument("--warm-runs", type=int, default=None,
-                        help=f"later launches per child (default {DEFAULT_WARM_RUNS}, "
-                        f"{QUICK_WARM_RUNS} with --quick)")
-    parser.add_argument("--ranks", type=int, nargs="+", default=list(DEFAULT_RANKS),
-                        help="rank counts (default: 1 2 4 8)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"rounds: fresh children per rank count (default {DEFAULT_RUNS}, "
+        f"{QUICK_RUNS} with --quick)",
+    )
+    parser.add_argument(
+        "--warm-runs",
+        type=int,
+        default=None,
+        help=f"later launches per child (default {DEFAULT_WARM_RUNS}, "
+        f"{QUICK_WARM_RUNS} with --quick)",
+    )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_RANKS),
+        help="rank counts (default: 1 2 4 8)",
+    )
     parser.add_argument("--quick", action="store_true", help="1 round, 2 warm runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)

@@ -57,8 +57,15 @@ POOL_VAR = "SPARKDIST_WORKER_POOL"
 def run_once(launcher: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One training run under ``launcher``; rank 0's result."""
     if launcher == "torchrun":
-        done = run_torchrun(NUM_PROCESSES, _train_loop.__file__, str(out), str(args.steps),
-                            str(args.warmup), str(args.hidden), timeout_s=600)
+        done = run_torchrun(
+            NUM_PROCESSES,
+            _train_loop.__file__,
+            str(out),
+            str(args.steps),
+            str(args.warmup),
+            str(args.hidden),
+            timeout_s=600,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"torchrun exited with {done.returncode}:\n{done.output[-3000:]}")
         return json.loads(out.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
@@ -69,8 +76,12 @@ def run_once(launcher: str, args: argparse.Namespace, out: Path) -> dict[str, An
         os.environ[POOL_VAR] = "0"
     try:
         result = Distributor(NUM_PROCESSES, use_gpu=False).run_all(
-            _train_loop.ddp_mlp_steps, args.steps, args.warmup, args.hidden,
-            report=launcher == "sparkdist+report")
+            _train_loop.ddp_mlp_steps,
+            args.steps,
+            args.warmup,
+            args.hidden,
+            report=launcher == "sparkdist+report",
+        )
     finally:
         os.environ.pop(POOL_VAR, None)
         if pool is not None:
@@ -85,15 +96,20 @@ def run_child(args: argparse.Namespace) -> None:
         for launcher in LAUNCHERS:
             value = run_once(launcher, args, out)
             steps = value["step_s"]
-            append_records(args.results, [{
-                "launcher": launcher,
-                "round": index,
-                "median": statistics.median(steps),
-                "steps": steps,
-                "torch_threads": value["torch_threads"],
-                "omp_num_threads": value["omp_num_threads"],
-                "parameters": value["parameters"],
-            }])
+            append_records(
+                args.results,
+                [
+                    {
+                        "launcher": launcher,
+                        "round": index,
+                        "median": statistics.median(steps),
+                        "steps": steps,
+                        "torch_threads": value["torch_threads"],
+                        "omp_num_threads": value["omp_num_threads"],
+                        "parameters": value["parameters"],
+                    }
+                ],
+            )
     out.unlink(missing_ok=True)
 
 
@@ -103,27 +119,31 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for launcher in LAUNCHERS:
         kept = [r for r in runs if r["launcher"] == launcher and r["round"] > 0]
         pooled = sorted(s for r in kept for s in r["steps"])
-        figures.append({
-            "figure": "step_s",
-            "launcher": launcher,
-            "median": rounded(median(pooled), 6),
-            "p10": rounded(pooled[len(pooled) // 10], 6) if pooled else None,
-            "p90": rounded(pooled[len(pooled) * 9 // 10], 6) if pooled else None,
-            "run_medians": [rounded(r["median"], 6) for r in kept],
-            "steps": len(pooled),
-            "torch_threads": sorted({r["torch_threads"] for r in kept}),
-            "omp_num_threads": sorted({str(r["omp_num_threads"]) for r in kept}),
-            "parameters": kept[0]["parameters"] if kept else None,
-        })
+        figures.append(
+            {
+                "figure": "step_s",
+                "launcher": launcher,
+                "median": rounded(median(pooled), 6),
+                "p10": rounded(pooled[len(pooled) // 10], 6) if pooled else None,
+                "p90": rounded(pooled[len(pooled) * 9 // 10], 6) if pooled else None,
+                "run_medians": [rounded(r["median"], 6) for r in kept],
+                "steps": len(pooled),
+                "torch_threads": sorted({r["torch_threads"] for r in kept}),
+                "omp_num_threads": sorted({str(r["omp_num_threads"]) for r in kept}),
+                "parameters": kept[0]["parameters"] if kept else None,
+            }
+        )
     by_launcher = {f["launcher"]: f["median"] for f in figures}
     for launcher in ("sparkdist", "sparkdist-cold", "sparkdist+report"):
         value = ratio(by_launcher.get(launcher), by_launcher.get("torchrun"))
-        figures.append({
-            "figure": "step_s_ratio",
-            "launcher": f"{launcher}/torchrun",
-            "value": rounded(value, 4),
-            "target": TARGET_RATIO if launcher == "sparkdist" else None,
-        })
+        figures.append(
+            {
+                "figure": "step_s_ratio",
+                "launcher": f"{launcher}/torchrun",
+                "value": rounded(value, 4),
+                "target": TARGET_RATIO if launcher == "sparkdist" else None,
+            }
+        )
     return figures
 
 
@@ -134,16 +154,22 @@ def table(figures: list[dict[str, Any]]) -> str:
         if f["figure"] != "step_s":
             continue
         per_run = " ".join(f"{m * 1e3:.2f}" for m in f["run_medians"])
-        rows.append((
-            f["launcher"],
-            _ms(f["median"]), _ms(f["p10"]), _ms(f["p90"]),
-            times(ratios.get(f"{f['launcher']}/torchrun")) if f["launcher"] != "torchrun"
-            else "1.00x",
-            f"{f['steps']}",
-            f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
-        ))
+        rows.append(
+            (
+                f["launcher"],
+                _ms(f["median"]),
+                _ms(f["p10"]),
+                _ms(f["p90"]),
+                times(ratios.get(f"{f['launcher']}/torchrun"))
+                if f["launcher"] != "torchrun"
+                else "1.00x",
+                f"{f['steps']}",
+                f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
+            )
+        )
     return format_table(
-        ("launcher", "median step", "p10", "p90", "vs torchrun", "steps", "notes"), rows)
+        ("launcher", "median step", "p10", "p90", "vs torchrun", "steps", "notes"), rows
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -152,9 +178,13 @@ def _ms(value: float | None) -> str:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=None,
-                        help=f"timed rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)"
-                        "; one more untimed warm-up round comes first")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help=f"timed rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)"
+        "; one more untimed warm-up round comes first",
+    )
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} rounds")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
@@ -176,12 +206,25 @@ def main(argv: list[str]) -> None:
         return
     with Bench(SCRIPT) as bench:
         budget_s = 300 + (args.runs + 1) * len(LAUNCHERS) * 120
-        runs = bench.child("local", [
-            "--runs", str(args.runs), "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--hidden", str(args.hidden)], budget_s)
+        runs = bench.child(
+            "local",
+            [
+                "--runs",
+                str(args.runs),
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--hidden",
+                str(args.hidden),
+            ],
+            budget_s,
+        )
     figures = summarize(runs)
-    records = [*figures, bench.machine(steps=args.steps, warmup=args.warmup,
-                                       hidden=args.hidden, rounds=args.runs)]
+    records = [
+        *figures,
+        bench.machine(steps=args.steps, warmup=args.warmup, hidden=args.hidden, rounds=args.runs),
+    ]
     emit(records, table(figures))
     if len({r["launcher"] for r in runs}) < len(LAUNCHERS):
         sys.exit(1)

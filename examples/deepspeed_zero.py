@@ -108,8 +108,9 @@ class TransformerLM(nn.Module):
         return logits
 
 
-def synthetic_batch(successors: torch.Tensor, batch: int, seq: int,
-                    generator: torch.Generator) -> torch.Tensor:
+def synthetic_batch(
+    successors: torch.Tensor, batch: int, seq: int, generator: torch.Generator
+) -> torch.Tensor:
     """``batch`` sequences of ``seq + 1`` tokens: a random walk, then the walk again."""
     half = (seq + 2) // 2
     walk = [torch.randint(len(successors), (batch,), generator=generator)]
@@ -144,8 +145,9 @@ def train(config: ModelConfig) -> dict[str, Any]:
     import deepspeed
 
     # DeepSpeed calls collectives that this torch deprecated, and the warning repeats each step.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning
+    )
     # As under torchrun, the script sets up communication itself; DeepSpeed's helper wraps
     # init_process_group. backend() is "nccl" on GPUs and "gloo" on the CPU accelerator.
     deepspeed.init_distributed(dist_backend=runtime.backend())
@@ -161,8 +163,9 @@ def train(config: ModelConfig) -> dict[str, Any]:
     held_params = sum(held_elements(p) for p in engine.module.parameters())
     batch = engine.train_micro_batch_size_per_gpu()
 
-    successors = torch.randint(config.vocab, (config.vocab, 2),
-                               generator=torch.Generator().manual_seed(config.seed))
+    successors = torch.randint(
+        config.vocab, (config.vocab, 2), generator=torch.Generator().manual_seed(config.seed)
+    )
     generator = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own data
     if rank == 0:
         floor = ((config.seq + 2) // 2 - 1) * math.log(2) / config.seq
@@ -171,10 +174,12 @@ def train(config: ModelConfig) -> dict[str, Any]:
             zero = (runtime.deepspeed_config() or {}).get("zero_optimization", {})
             threshold = int(zero.get("stage3_param_persistence_threshold", 100_000))
             persist = f" (parameters under {threshold:,} elements stay whole)"
-        print(f"ZeRO stage {stage}: {total_params:,} parameters, {held_params:,} held per rank"
-              f"{persist}; "
-              f"{engine.device}, micro-batch {batch}; loss starts near "
-              f"{math.log(config.vocab):.2f}, floor ~{floor:.2f}")
+        print(
+            f"ZeRO stage {stage}: {total_params:,} parameters, {held_params:,} held per rank"
+            f"{persist}; "
+            f"{engine.device}, micro-batch {batch}; loss starts near "
+            f"{math.log(config.vocab):.2f}, floor ~{floor:.2f}"
+        )
 
     losses: list[float] = []
     compute_dtype = torch.float32
@@ -227,18 +232,30 @@ def start_spark(processes: int) -> Any:
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ModelConfig]:
     """The command line, and the model config it selects (preset plus explicit flags)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG),
-                        help="DeepSpeed config JSON (default: conf/deepspeed/zero2.json)")
+    parser.add_argument(
+        "--config",
+        default=str(DEFAULT_CONFIG),
+        help="DeepSpeed config JSON (default: conf/deepspeed/zero2.json)",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU-sized preset (seconds)")
     for name in ("layers", "dim", "heads", "seq", "vocab", "steps", "seed"):
-        parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(GPU_PRESET, name)} "
-                            f"({getattr(TINY_PRESET, name)} with --tiny)")
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"default: {getattr(GPU_PRESET, name)} ({getattr(TINY_PRESET, name)} with --tiny)",
+        )
     parser.add_argument("--processes", type=int, default=2, help="ranks (one per GPU)")
-    parser.add_argument("--bf16", action="store_true",
-                        help="add bf16 mixed precision to the config (GPUs with bf16 only)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="add bf16 mixed precision to the config (GPUs with bf16 only)",
+    )
     parser.add_argument("--cpu", action="store_true", help="train on CPU even if there are GPUs")
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
     args = parser.parse_args(argv)
     preset = TINY_PRESET if args.tiny else GPU_PRESET
     overrides = {k: v for k, v in vars(args).items() if k in asdict(preset) and v is not None}
@@ -264,9 +281,13 @@ def main(argv: list[str] | None = None) -> float:
         with open(args.config, encoding="utf-8") as f:
             deepspeed_config = {**json.load(f), "bf16": {"enabled": True}}
     # pyspark's signature: no session argument; in Spark mode the active session is used.
-    distributor = DeepspeedTorchDistributor(numGpus=args.processes, nnodes=1,
-                                            localMode=not args.remote, useGpu=use_gpu,
-                                            deepspeedConfig=deepspeed_config)
+    distributor = DeepspeedTorchDistributor(
+        numGpus=args.processes,
+        nnodes=1,
+        localMode=not args.remote,
+        useGpu=use_gpu,
+        deepspeedConfig=deepspeed_config,
+    )
     started = time.perf_counter()
     try:
         result = distributor.run_all(train, config)
@@ -275,13 +296,17 @@ def main(argv: list[str] | None = None) -> float:
             spark.stop()
     elapsed = time.perf_counter() - started
     for value in result.values:
-        print(f"rank {value['rank']}: {value['device']} ({value['compute_dtype']}), ZeRO stage "
-              f"{value['zero_stage']}, holds {value['held_params']:,} of "
-              f"{value['total_params']:,} parameters, loss {value['first_loss']:.4f} -> "
-              f"{value['final_loss']:.4f}")
+        print(
+            f"rank {value['rank']}: {value['device']} ({value['compute_dtype']}), ZeRO stage "
+            f"{value['zero_stage']}, holds {value['held_params']:,} of "
+            f"{value['total_params']:,} parameters, loss {value['first_loss']:.4f} -> "
+            f"{value['final_loss']:.4f}"
+        )
     summary = result.values[0]
-    print(f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s): final loss {summary['final_loss']:.4f}")
+    print(
+        f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s): final loss {summary['final_loss']:.4f}"
+    )
     return float(summary["final_loss"])
 
 

@@ -55,8 +55,9 @@ class ModelConfig:
 #: The default is about 10.5M parameters (8 blocks of 12*dim^2, plus embeddings and head).
 GPU_PRESET = ModelConfig()
 #: Small enough that 2 CPU processes sharing 2 cores see the loss fall within seconds.
-TINY_PRESET = ModelConfig(layers=2, dim=64, heads=4, seq=64, vocab=128, steps=30, batch=8,
-                          lr=3e-3, log_every=5)
+TINY_PRESET = ModelConfig(
+    layers=2, dim=64, heads=4, seq=64, vocab=128, steps=30, batch=8, lr=3e-3, log_every=5
+)
 
 
 class Block(nn.Module):
@@ -110,8 +111,9 @@ def successor_table(vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(vocab, (vocab, 2), generator=generator)
 
 
-def synthetic_batch(successors: torch.Tensor, batch: int, seq: int,
-                    generator: torch.Generator) -> torch.Tensor:
+def synthetic_batch(
+    successors: torch.Tensor, batch: int, seq: int, generator: torch.Generator
+) -> torch.Tensor:
     """``batch`` sequences of ``seq + 1`` tokens: a random walk, then the walk again."""
     half = (seq + 2) // 2
     walk = [torch.randint(len(successors), (batch,), generator=generator)]
@@ -163,9 +165,11 @@ def train(config: ModelConfig) -> dict[str, Any]:
     successors = successor_table(config.vocab, config.seed)
     generator = torch.Generator().manual_seed(config.seed + 1 + rank)  # each rank its own data
     if rank == 0:
-        print(f"{total_params:,} parameters, {held_params:,} on each of {world_size} ranks; "
-              f"{device.type}, {'bf16' if device.type == 'cuda' else 'fp32'} compute; "
-              f"loss starts near {math.log(config.vocab):.2f}, floor ~{loss_floor(config.seq):.2f}")
+        print(
+            f"{total_params:,} parameters, {held_params:,} on each of {world_size} ranks; "
+            f"{device.type}, {'bf16' if device.type == 'cuda' else 'fp32'} compute; "
+            f"loss starts near {math.log(config.vocab):.2f}, floor ~{loss_floor(config.seq):.2f}"
+        )
 
     losses: list[float] = []
     compute_dtype = torch.float32
@@ -221,13 +225,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, ModelConfig]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized preset (seconds)")
     for name in ("layers", "dim", "heads", "seq", "vocab", "steps", "batch", "seed"):
-        parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(GPU_PRESET, name)} "
-                            f"({getattr(TINY_PRESET, name)} with --tiny)")
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"default: {getattr(GPU_PRESET, name)} ({getattr(TINY_PRESET, name)} with --tiny)",
+        )
     parser.add_argument("--lr", type=float)
     parser.add_argument("--processes", type=int, default=2, help="ranks (one per GPU)")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even if there are GPUs")
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
     args = parser.parse_args(argv)
     preset = TINY_PRESET if args.tiny else GPU_PRESET
     overrides = {k: v for k, v in vars(args).items() if k in asdict(preset) and v is not None}
@@ -242,8 +252,13 @@ def main(argv: list[str] | None = None) -> float:
     args, config = parse_args(argv)
     spark = start_spark(args.processes) if args.remote else None
     # use_gpu=None lets sparkdist use GPUs where there are any (nccl) and the CPU otherwise.
-    distributor = Distributor(args.processes, local_mode=not args.remote,
-                              use_gpu=False if args.cpu else None, mode="fsdp", spark=spark)
+    distributor = Distributor(
+        args.processes,
+        local_mode=not args.remote,
+        use_gpu=False if args.cpu else None,
+        mode="fsdp",
+        spark=spark,
+    )
     started = time.perf_counter()
     try:
         result = distributor.run_all(train, config)
@@ -252,12 +267,16 @@ def main(argv: list[str] | None = None) -> float:
             spark.stop()
     elapsed = time.perf_counter() - started
     for value in result.values:
-        print(f"rank {value['rank']}: {value['device']} ({value['compute_dtype']}), holds "
-              f"{value['held_params']:,} of {value['total_params']:,} parameters, loss "
-              f"{value['first_loss']:.4f} -> {value['final_loss']:.4f}")
+        print(
+            f"rank {value['rank']}: {value['device']} ({value['compute_dtype']}), holds "
+            f"{value['held_params']:,} of {value['total_params']:,} parameters, loss "
+            f"{value['first_loss']:.4f} -> {value['final_loss']:.4f}"
+        )
     summary = result.values[0]
-    print(f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s "
-          f"({summary['tokens_per_s']:,.0f} tokens/s): final loss {summary['final_loss']:.4f}")
+    print(
+        f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s): final loss {summary['final_loss']:.4f}"
+    )
     return float(summary["final_loss"])
 
 

@@ -78,8 +78,19 @@ class SFTRunConfig:
 #: About 76M parameters (Llama architecture, 12 layers of width 768).
 GPU_PRESET = SFTRunConfig()
 #: Two CPU processes on two shared cores see the loss fall within seconds.
-TINY_PRESET = SFTRunConfig(layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128,
-                           samples=256, max_length=48, steps=20, batch=4, lr=1e-3, log_every=4)
+TINY_PRESET = SFTRunConfig(
+    layers=2,
+    hidden=64,
+    heads=4,
+    kv_heads=2,
+    intermediate=128,
+    samples=256,
+    max_length=48,
+    steps=20,
+    batch=4,
+    lr=1e-3,
+    log_every=4,
+)
 
 
 def build_tokenizer() -> Any:
@@ -92,8 +103,14 @@ def build_tokenizer() -> Any:
     # Every character is its own "word" (spaces included), and decoding glues them back.
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token=PAD, unk_token=UNK,
-                                   bos_token=BOS, eos_token=EOS, model_max_length=1024)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        model_max_length=1024,
+    )
 
 
 def build_model(config: SFTRunConfig, tokenizer: Any) -> Any:
@@ -170,8 +187,9 @@ def train(config: SFTRunConfig) -> dict[str, Any]:
     from trl import SFTConfig, SFTTrainer
 
     # DeepSpeed calls collectives that this torch deprecated, and the warning repeats each step.
-    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use .*_single",
-                            category=FutureWarning)
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use .*_single", category=FutureWarning
+    )
     use_cuda = runtime.device().type == "cuda"
     deepspeed_config = runtime.deepspeed_config()  # None unless launched in mode "deepspeed"
     settings: dict[str, Any] = {
@@ -208,8 +226,9 @@ def train(config: SFTRunConfig) -> dict[str, Any]:
             deepspeed=deepspeed_config,
             **settings,
         )
-        trainer = SFTTrainer(model=model, args=args, train_dataset=dataset,
-                             processing_class=tokenizer)
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
         started = time.perf_counter()
         metrics = trainer.train().metrics
         seconds = time.perf_counter() - started
@@ -264,21 +283,43 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, SFTRunConfig
     """The command line, and the config it selects (preset plus explicit flags)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized preset (seconds)")
-    for name in ("layers", "hidden", "heads", "kv_heads", "intermediate", "samples",
-                 "max_length", "steps", "batch", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int,
-                            help=f"default: {getattr(GPU_PRESET, name)} "
-                                 f"({getattr(TINY_PRESET, name)} with --tiny)")
+    for name in (
+        "layers",
+        "hidden",
+        "heads",
+        "kv_heads",
+        "intermediate",
+        "samples",
+        "max_length",
+        "steps",
+        "batch",
+        "seed",
+    ):
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=int,
+            help=f"default: {getattr(GPU_PRESET, name)} ({getattr(TINY_PRESET, name)} with --tiny)",
+        )
     parser.add_argument("--lr", type=float)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs only)")
-    parser.add_argument("--deepspeed", action="store_true",
-                        help="train with DeepSpeed (mode 'deepspeed') instead of DDP")
-    parser.add_argument("--deepspeed-config", default=str(DEFAULT_DEEPSPEED_CONFIG),
-                        help="DeepSpeed config JSON (default: conf/deepspeed/zero2.json)")
+    parser.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="train with DeepSpeed (mode 'deepspeed') instead of DDP",
+    )
+    parser.add_argument(
+        "--deepspeed-config",
+        default=str(DEFAULT_DEEPSPEED_CONFIG),
+        help="DeepSpeed config JSON (default: conf/deepspeed/zero2.json)",
+    )
     parser.add_argument("--processes", type=int, default=2, help="ranks (one per GPU)")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even if there are GPUs")
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
     args = parser.parse_args(argv)
     preset = TINY_PRESET if args.tiny else GPU_PRESET
     overrides = {k: v for k, v in vars(args).items() if k in asdict(preset) and v is not None}
@@ -299,13 +340,20 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 deepspeed_config = {**json.load(f), "bf16": {"enabled": True}}
     spark = start_spark(args.processes) if args.remote else None
     # Nothing here needs the Hugging Face Hub; offline, no rank waits on a network timeout.
-    env = {"HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-           "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     # use_gpu=None lets sparkdist use GPUs where there are any (nccl) and the CPU otherwise.
-    distributor = Distributor(args.processes, local_mode=not args.remote,
-                              use_gpu=False if args.cpu else None,
-                              mode="deepspeed" if args.deepspeed else "ddp",
-                              deepspeed_config=deepspeed_config, env=env, spark=spark)
+    distributor = Distributor(
+        args.processes,
+        local_mode=not args.remote,
+        use_gpu=False if args.cpu else None,
+        mode="deepspeed" if args.deepspeed else "ddp",
+        deepspeed_config=deepspeed_config,
+        env=env,
+        spark=spark,
+    )
     started = time.perf_counter()
     try:
         result = distributor.run_all(train, config)
@@ -315,13 +363,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     elapsed = time.perf_counter() - started
     for value in result.values:
         stage = f", ZeRO stage {value['zero_stage']}" if value["zero_stage"] is not None else ""
-        print(f"rank {value['rank']}: {value['trainer']} saw world size "
-              f"{value['trainer_world_size']} ({value['distributed_type']}, "
-              f"{value['wrapped_model']}{stage}), loss {value['losses'][0]:.4f} -> "
-              f"{value['losses'][-1]:.4f} in {value['steps']} steps")
+        print(
+            f"rank {value['rank']}: {value['trainer']} saw world size "
+            f"{value['trainer_world_size']} ({value['distributed_type']}, "
+            f"{value['wrapped_model']}{stage}), loss {value['losses'][0]:.4f} -> "
+            f"{value['losses'][-1]:.4f} in {value['steps']} steps"
+        )
     summary = result.values[0]
-    print(f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s: "
-          f"{summary['parameters']:,} parameters, {summary['samples_per_s']:.1f} samples/s")
+    print(
+        f"{result.mode_settings} on {result.world_size} ranks in {elapsed:.1f} s: "
+        f"{summary['parameters']:,} parameters, {summary['samples_per_s']:.1f} samples/s"
+    )
     return list(result.values)
 
 

@@ -71,8 +71,17 @@ class TwoTowerConfig:
 #: A few minutes on 8 GPUs: 2M training interactions, 20k items to rank per user.
 GPU_PRESET = TwoTowerConfig()
 #: Two CPU processes on two shared cores: a few seconds of training.
-TINY_PRESET = TwoTowerConfig(users=256, items=128, clusters=16, interactions=8, dim=16,
-                             hidden=32, batch=64, epochs=4, lr=1e-2)
+TINY_PRESET = TwoTowerConfig(
+    users=256,
+    items=128,
+    clusters=16,
+    interactions=8,
+    dim=16,
+    hidden=32,
+    batch=64,
+    epochs=4,
+    lr=1e-2,
+)
 
 
 def synthetic_interactions(config: TwoTowerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +96,9 @@ def synthetic_interactions(config: TwoTowerConfig) -> tuple[torch.Tensor, torch.
     # Item i belongs to cluster i % clusters; within a cluster, popularity falls like 1/rank.
     popularity = 1.0 / torch.arange(1, per_cluster + 1, dtype=torch.float)
     picks = config.interactions + 1
-    within = torch.multinomial(popularity, config.users * picks, replacement=True,
-                               generator=generator).view(config.users, picks)
+    within = torch.multinomial(
+        popularity, config.users * picks, replacement=True, generator=generator
+    ).view(config.users, picks)
     in_cluster_items = user_cluster[:, None] + within * config.clusters
     random_items = torch.randint(config.items, (config.users, picks), generator=generator)
     stay = torch.rand(config.users, picks, generator=generator) < config.in_cluster
@@ -143,7 +153,8 @@ class TwoTowerModule(L.LightningModule):
             "process_group_size": dist.get_world_size(),
             "cluster_environment": type(environment).__name__,
             "creates_processes_externally": bool(
-                getattr(environment, "creates_processes_externally", False)),
+                getattr(environment, "creates_processes_externally", False)
+            ),
             "strategy": type(trainer.strategy).__name__,
             # Lightning's launcher keeps the processes it spawned in .procs.
             "children_spawned_by_lightning": len(getattr(launcher, "procs", [])),
@@ -161,7 +172,8 @@ class TwoTowerModule(L.LightningModule):
         logits = user_vectors @ item_vectors.T / self.config.temperature
         # The same item twice in a batch is not a negative for either user: mask those hits.
         accidental = (items[:, None] == items[None, :]) & ~torch.eye(
-            len(items), dtype=torch.bool, device=self.device)
+            len(items), dtype=torch.bool, device=self.device
+        )
         logits = logits.masked_fill(accidental, torch.finfo(logits.dtype).min)
         loss = F.cross_entropy(logits.float(), torch.arange(len(items), device=self.device))
         self._loss_sum += torch.stack([loss.detach(), torch.ones((), device=self.device)])
@@ -197,8 +209,9 @@ class TwoTowerModule(L.LightningModule):
         scores = self.user_tower(users) @ self._all_items.T
         top = scores.topk(TOP_K, dim=1).indices
         hits = (top == items[:, None]).any(dim=1)
-        self._hits += torch.stack([hits.sum().float(),
-                                   torch.tensor(float(len(items)), device=self.device)])
+        self._hits += torch.stack(
+            [hits.sum().float(), torch.tensor(float(len(items)), device=self.device)]
+        )
 
     def on_validation_epoch_end(self) -> None:
         totals = self.trainer.strategy.reduce(self._hits, reduce_op="sum")
@@ -213,8 +226,11 @@ def train(config: TwoTowerConfig) -> dict[str, Any]:
     """Fit the two towers with ``Trainer(strategy="ddp")`` on this rank; return what it saw."""
     # Lightning 2.6 calls torch APIs that this torch deprecated; the warnings, repeated by each
     # rank, say nothing about this code.
-    warnings.filterwarnings("ignore", message=r"(torch\.distributed\.nn\.functional\.all_gather|"
-                            r"`isinstance\(treespec, LeafSpec\)`) is deprecated")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"(torch\.distributed\.nn\.functional\.all_gather|"
+        r"`isinstance\(treespec, LeafSpec\)`) is deprecated",
+    )
     use_cuda = runtime.device().type == "cuda"
     torch.manual_seed(config.seed)  # the same initial weights on every rank
     train_pairs, held_out = synthetic_interactions(config)
@@ -280,16 +296,31 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, TwoTowerConf
     """The command line, and the config it selects (preset plus explicit flags)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized preset (seconds)")
-    for name in ("users", "items", "clusters", "interactions", "dim", "hidden", "batch",
-                 "epochs", "seed"):
-        parser.add_argument(f"--{name}", type=int, help=f"default: {getattr(GPU_PRESET, name)} "
-                            f"({getattr(TINY_PRESET, name)} with --tiny)")
+    for name in (
+        "users",
+        "items",
+        "clusters",
+        "interactions",
+        "dim",
+        "hidden",
+        "batch",
+        "epochs",
+        "seed",
+    ):
+        parser.add_argument(
+            f"--{name}",
+            type=int,
+            help=f"default: {getattr(GPU_PRESET, name)} ({getattr(TINY_PRESET, name)} with --tiny)",
+        )
     parser.add_argument("--lr", type=float)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs only)")
     parser.add_argument("--processes", type=int, default=2, help="ranks (one per GPU)")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even if there are GPUs")
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
     args = parser.parse_args(argv)
     preset = TINY_PRESET if args.tiny else GPU_PRESET
     overrides = {k: v for k, v in vars(args).items() if k in asdict(preset) and v is not None}
@@ -306,8 +337,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args, config = parse_args(argv)
     spark = start_spark(args.processes) if args.remote else None
     # use_gpu=None lets sparkdist use GPUs where there are any (nccl) and the CPU otherwise.
-    distributor = Distributor(args.processes, local_mode=not args.remote,
-                              use_gpu=False if args.cpu else None, spark=spark)
+    distributor = Distributor(
+        args.processes, local_mode=not args.remote, use_gpu=False if args.cpu else None, spark=spark
+    )
     started = time.perf_counter()
     try:
         result = distributor.run_all(train, config)
@@ -316,15 +348,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             spark.stop()
     elapsed = time.perf_counter() - started
     for value in result.values:
-        print(f"rank {value['rank']}: Lightning saw world size {value['lightning_world_size']} "
-              f"({value['cluster_environment']}, {value['children_spawned_by_lightning']} "
-              f"processes spawned by Lightning), trained on {value['shard_size']:,} of "
-              f"{value['train_size']:,} interactions, loss {value['epoch_losses'][0]:.4f} -> "
-              f"{value['epoch_losses'][-1]:.4f}")
+        print(
+            f"rank {value['rank']}: Lightning saw world size {value['lightning_world_size']} "
+            f"({value['cluster_environment']}, {value['children_spawned_by_lightning']} "
+            f"processes spawned by Lightning), trained on {value['shard_size']:,} of "
+            f"{value['train_size']:,} interactions, loss {value['epoch_losses'][0]:.4f} -> "
+            f"{value['epoch_losses'][-1]:.4f}"
+        )
     summary = result.values[0]
-    print(f"{result.world_size} ranks in {elapsed:.1f} s: recall@{TOP_K} "
-          f"{summary[f'recall_at_{TOP_K}'][-1]:.3f} (random: "
-          f"{summary[f'random_recall_at_{TOP_K}']:.3f})")
+    print(
+        f"{result.world_size} ranks in {elapsed:.1f} s: recall@{TOP_K} "
+        f"{summary[f'recall_at_{TOP_K}'][-1]:.3f} (random: "
+        f"{summary[f'random_recall_at_{TOP_K}']:.3f})"
+    )
     return list(result.values)
 
 

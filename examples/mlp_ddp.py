@@ -82,10 +82,10 @@ def train(epochs: int, samples: int, batch_size: int, lr: float, hidden: int) ->
     y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(samples, 1)
     dataset = TensorDataset(x, y)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=0)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler,
-                        pin_memory=use_cuda)
-    model = DistributedDataParallel(SimpleMLP(hidden_dim=hidden).to(device),
-                                    device_ids=[local_rank] if use_cuda else None)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, pin_memory=use_cuda)
+    model = DistributedDataParallel(
+        SimpleMLP(hidden_dim=hidden).to(device), device_ids=[local_rank] if use_cuda else None
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = nn.MSELoss()
     torch.manual_seed(1 + rank)  # each rank its own dropout masks, the same in every launcher
@@ -101,15 +101,20 @@ def train(epochs: int, samples: int, batch_size: int, lr: float, hidden: int) ->
             loss = loss_fn(model(xb), yb)
             loss.backward()
             optimizer.step()
-            totals += torch.stack([loss.detach() * len(xb),
-                                   torch.tensor(float(len(xb)), device=device)])
+            totals += torch.stack(
+                [loss.detach() * len(xb), torch.tensor(float(len(xb)), device=device)]
+            )
         dist.all_reduce(totals)
         epoch_loss = (totals[0] / totals[1]).item()
         if rank == 0:
             print(f"epoch {epoch}: loss {epoch_loss:.4f}")
     dist.destroy_process_group()
-    return {"rank": rank, "world_size": world_size, "loss": epoch_loss,
-            "device": "cuda" if use_cuda else "cpu"}
+    return {
+        "rank": rank,
+        "world_size": world_size,
+        "loss": epoch_loss,
+        "device": "cuda" if use_cuda else "cpu",
+    }
 
 
 def start_spark(processes: int, use_cuda: bool) -> Any:
@@ -133,8 +138,9 @@ def start_spark(processes: int, use_cuda: bool) -> Any:
     return spark
 
 
-def run_with_pysparks_torch_distributor(args: argparse.Namespace, train_args: tuple[Any, ...],
-                                        spark: Any, use_cuda: bool) -> dict[str, Any]:
+def run_with_pysparks_torch_distributor(
+    args: argparse.Namespace, train_args: tuple[Any, ...], spark: Any, use_cuda: bool
+) -> dict[str, Any]:
     from pyspark import cloudpickle as pyspark_cloudpickle
     from pyspark.ml.torch.distributor import TorchDistributor
 
@@ -166,16 +172,23 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any], Timin
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     parser.add_argument("--hidden", type=int, default=64, help="hidden layer width")
     parser.add_argument("--lr", type=float, default=1e-2)
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
-    parser.add_argument("--skip-pyspark", action="store_true",
-                        help="leave pyspark's TorchDistributor out (and Spark, unless --remote)")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
+    parser.add_argument(
+        "--skip-pyspark",
+        action="store_true",
+        help="leave pyspark's TorchDistributor out (and Spark, unless --remote)",
+    )
     args = parser.parse_args(argv)
     train_args = (args.epochs, args.samples, args.batch_size, args.lr, args.hidden)
     use_cuda = torch.cuda.is_available()
 
     try:
         import pyspark  # noqa: F401 - only to learn whether it is installed
+
         has_pyspark = True
     except ImportError:
         has_pyspark = False
@@ -198,29 +211,42 @@ def main(argv: list[str] | None = None) -> list[tuple[str, dict[str, Any], Timin
             seconds.append(time.perf_counter() - started)
         timings.append((name, result, Timing(*seconds)))
 
-    timed("sparkdist Distributor(...).run",
-          lambda: Distributor(args.processes, local_mode=not args.remote, spark=spark).run(
-              train, *train_args))
+    timed(
+        "sparkdist Distributor(...).run",
+        lambda: Distributor(args.processes, local_mode=not args.remote, spark=spark).run(
+            train, *train_args
+        ),
+    )
     # What `@distributed(gpus=N, remote=...)` above `def train` does; applied here so that N
     # can come from the command line.
     serverless_style = distributed(gpus=args.processes, remote=args.remote, spark=spark)(train)
-    timed("sparkdist @distributed + .distributed",
-          lambda: serverless_style.distributed(*train_args)[0])
+    timed(
+        "sparkdist @distributed + .distributed",
+        lambda: serverless_style.distributed(*train_args)[0],
+    )
     if run_pyspark:
-        timed("pyspark TorchDistributor(...).run",
-              lambda: run_with_pysparks_torch_distributor(args, train_args, spark, use_cuda))
+        timed(
+            "pyspark TorchDistributor(...).run",
+            lambda: run_with_pysparks_torch_distributor(args, train_args, spark, use_cuda),
+        )
 
     where = "Spark barrier tasks" if args.remote else "this machine"
     print(f"\n{args.processes} rank(s) on {where}, {'NCCL + GPU' if use_cuda else 'gloo + CPU'}:")
-    print(f"{'launcher':<40} {'first call':>11} {'warm call':>10} {'final loss':>11} "
-          f"{'world size':>11} {'device':>7}")
+    print(
+        f"{'launcher':<40} {'first call':>11} {'warm call':>10} {'final loss':>11} "
+        f"{'world size':>11} {'device':>7}"
+    )
     for name, result, timing in timings:
-        print(f"{name:<40} {timing.first_s:>10.2f}s {timing.warm_s:>9.2f}s "
-              f"{result['loss']:>11.5f} {result['world_size']:>11} {result['device']:>7}")
-    print("first call: includes one-time start-up in this process (sparkdist: its worker\n"
-          "  pool, which both sparkdist launchers share; pyspark: its imports and, with\n"
-          "  --remote, Spark's Python workers); warm call: the same run again. Compare the\n"
-          "  warm calls.")
+        print(
+            f"{name:<40} {timing.first_s:>10.2f}s {timing.warm_s:>9.2f}s "
+            f"{result['loss']:>11.5f} {result['world_size']:>11} {result['device']:>7}"
+        )
+    print(
+        "first call: includes one-time start-up in this process (sparkdist: its worker\n"
+        "  pool, which both sparkdist launchers share; pyspark: its imports and, with\n"
+        "  --remote, Spark's Python workers); warm call: the same run again. Compare the\n"
+        "  warm calls."
+    )
     if spark is not None:
         spark.stop()
     return timings

@@ -23,7 +23,9 @@ def train(steps: int, lr: float) -> dict[str, float]:
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ["LOCAL_RANK"])) if use_cuda else torch.device("cpu")
+    )
 
     torch.manual_seed(0)  # same initial weights on every rank
     model = DDP(torch.nn.Linear(1, 1).to(device))
@@ -44,8 +46,13 @@ def train(steps: int, lr: float) -> dict[str, float]:
             print(f"step {step:3d}  loss {last_loss:.4f}")
     weight, bias = model.module.weight.item(), model.module.bias.item()
     dist.destroy_process_group()
-    return {"first_loss": first_loss, "last_loss": last_loss, "weight": weight, "bias": bias,
-            "world_size": world}
+    return {
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "weight": weight,
+        "bias": bias,
+        "world_size": world,
+    }
 
 
 def main() -> None:
@@ -79,9 +86,11 @@ def main() -> None:
         train, args.steps, args.lr
     )
     elapsed = time.perf_counter() - started
-    print(f"trained on {result['world_size']} processes in {elapsed:.1f} s: "
-          f"loss {result['first_loss']:.3f} -> {result['last_loss']:.5f}, "
-          f"y = {result['weight']:.3f} x + {result['bias']:.3f} (target y = 3x + 1)")
+    print(
+        f"trained on {result['world_size']} processes in {elapsed:.1f} s: "
+        f"loss {result['first_loss']:.3f} -> {result['last_loss']:.5f}, "
+        f"y = {result['weight']:.3f} x + {result['bias']:.3f} (target y = 3x + 1)"
+    )
     if spark is not None:
         spark.stop()
 

@@ -63,13 +63,30 @@ class DetectionConfig:
 #: A few minutes on 8 GPUs.
 GPU_PRESET = DetectionConfig()
 #: Two CPU processes on two shared cores: tens of seconds.
-TINY_PRESET = DetectionConfig(images=16, image_size=64, objects=2, num_classes=3,
-                              backbone="small", width=16, fpn_channels=32, batch=2, steps=32,
-                              lr=1e-3, workers=0, log_every=8)
+TINY_PRESET = DetectionConfig(
+    images=16,
+    image_size=64,
+    objects=2,
+    num_classes=3,
+    backbone="small",
+    width=16,
+    fpn_channels=32,
+    batch=2,
+    steps=32,
+    lr=1e-3,
+    workers=0,
+    log_every=8,
+)
 
 #: One colour per class (RGB in [0, 1]); classes beyond the list reuse colours shifted a bit.
-PALETTE = ((1.0, 0.1, 0.1), (0.1, 1.0, 0.1), (0.1, 0.1, 1.0), (1.0, 1.0, 0.1), (1.0, 0.1, 1.0),
-           (0.1, 1.0, 1.0))
+PALETTE = (
+    (1.0, 0.1, 0.1),
+    (0.1, 1.0, 0.1),
+    (0.1, 0.1, 1.0),
+    (1.0, 1.0, 0.1),
+    (1.0, 0.1, 1.0),
+    (0.1, 1.0, 1.0),
+)
 
 
 class SyntheticDetection(Dataset[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
@@ -91,22 +108,23 @@ class SyntheticDetection(Dataset[tuple[torch.Tensor, dict[str, torch.Tensor]]]):
         image = 0.2 * torch.rand(3, size, size, generator=generator)
         boxes, labels = [], []
         for _ in range(config.objects):
-            width, height = (torch.randint(size // 8, size // 2, (2,), generator=generator)
-                             .tolist())
+            width, height = torch.randint(size // 8, size // 2, (2,), generator=generator).tolist()
             x0 = int(torch.randint(0, size - width, (1,), generator=generator))
             y0 = int(torch.randint(0, size - height, (1,), generator=generator))
             label = int(torch.randint(config.num_classes, (1,), generator=generator))
             colour = torch.tensor(PALETTE[label % len(PALETTE)]) * (1 - 0.1 * (label // 6))
-            image[:, y0:y0 + height, x0:x0 + width] = colour[:, None, None]
+            image[:, y0 : y0 + height, x0 : x0 + width] = colour[:, None, None]
             boxes.append([x0, y0, x0 + width, y0 + height])
             labels.append(label)
-        return image, {"boxes": torch.tensor(boxes, dtype=torch.float),
-                       "labels": torch.tensor(labels, dtype=torch.int64)}
+        return image, {
+            "boxes": torch.tensor(boxes, dtype=torch.float),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+        }
 
 
 def collate(batch: list[Any]) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Detection batches are lists (images may differ in size), not stacked tensors."""
-    images, targets = zip(*batch)
+    images, targets = zip(*batch, strict=True)
     return list(images), list(targets)
 
 
@@ -117,16 +135,20 @@ def small_body(width: int) -> nn.Module:
     def stage(in_channels: int, out_channels: int) -> nn.Sequential:
         return nn.Sequential(
             nn.Conv2d(in_channels, out_channels, 3, stride=2, padding=1, bias=False),
-            nn.GroupNorm(8, out_channels), nn.ReLU(inplace=True),
+            nn.GroupNorm(8, out_channels),
+            nn.ReLU(inplace=True),
             nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False),
-            nn.GroupNorm(8, out_channels), nn.ReLU(inplace=True),
+            nn.GroupNorm(8, out_channels),
+            nn.ReLU(inplace=True),
         )
 
     widths = [width, width, width * 2, width * 4, width * 8]
     names = ["stem", "layer1", "layer2", "layer3", "layer4"]
-    return nn.Sequential(OrderedDict(
-        (name, stage(3 if i == 0 else widths[i - 1], widths[i])) for i, name in enumerate(names)
-    ))
+    return nn.Sequential(
+        OrderedDict(
+            (name, stage(3 if i == 0 else widths[i - 1], widths[i])) for i, name in enumerate(names)
+        )
+    )
 
 
 def build_model(config: DetectionConfig) -> nn.Module:
@@ -155,12 +177,17 @@ def build_model(config: DetectionConfig) -> nn.Module:
     # RetinaNet's default anchors (32 to 512 pixels) suit 800-pixel images; scale them to
     # ours, keeping its three scales per level and three aspect ratios.
     base = max(4, config.image_size // 16)
-    sizes = tuple(tuple(int(base * 2**level * 2 ** (k / 3)) for k in range(3))
-                  for level in range(5))
+    sizes = tuple(
+        tuple(int(base * 2**level * 2 ** (k / 3)) for k in range(3)) for level in range(5)
+    )
     anchors = AnchorGenerator(sizes, ((0.5, 1.0, 2.0),) * len(sizes))
-    model: nn.Module = RetinaNet(backbone, num_classes=config.num_classes,
-                                 min_size=config.image_size, max_size=config.image_size,
-                                 anchor_generator=anchors)
+    model: nn.Module = RetinaNet(
+        backbone,
+        num_classes=config.num_classes,
+        min_size=config.image_size,
+        max_size=config.image_size,
+        anchor_generator=anchors,
+    )
     return model
 
 
@@ -172,14 +199,22 @@ def train(config: DetectionConfig) -> dict[str, Any]:
 
     torch.manual_seed(config.seed)  # the same initial weights everywhere
     model = build_model(config).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                  else None)
+    ddp = DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=config.lr)
     dataset = SyntheticDetection(config)
-    sampler: DistributedSampler[int] = DistributedSampler(dataset, num_replicas=world_size,
-                                                          rank=rank, seed=config.seed)
-    loader = DataLoader(dataset, batch_size=config.batch, sampler=sampler, collate_fn=collate,
-                        num_workers=config.workers, pin_memory=device.type == "cuda")
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, seed=config.seed
+    )
+    loader = DataLoader(
+        dataset,
+        batch_size=config.batch,
+        sampler=sampler,
+        collate_fn=collate,
+        num_workers=config.workers,
+        pin_memory=device.type == "cuda",
+    )
 
     losses: list[float] = []
     started = time.perf_counter()
@@ -189,8 +224,10 @@ def train(config: DetectionConfig) -> dict[str, Any]:
         sampler.set_epoch(epoch)  # a new order each epoch; each rank its own shard
         for images, targets in loader:
             images = [image.to(device, non_blocking=True) for image in images]
-            targets = [{k: v.to(device, non_blocking=True) for k, v in target.items()}
-                       for target in targets]
+            targets = [
+                {k: v.to(device, non_blocking=True) for k, v in target.items()}
+                for target in targets
+            ]
             parts = ddp(images, targets)  # {"classification": focal, "bbox_regression": L1}
             loss = sum(parts.values())
             optimizer.zero_grad()
@@ -250,18 +287,37 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, DetectionCon
     """The command line, and the config it selects (preset plus explicit flags)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized preset (seconds)")
-    for name in ("images", "image_size", "objects", "num_classes", "width", "fpn_channels",
-                 "batch", "steps", "workers", "seed"):
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, type=int,
-                            help=f"default: {getattr(GPU_PRESET, name)} "
-                                 f"({getattr(TINY_PRESET, name)} with --tiny)")
-    parser.add_argument("--backbone", choices=("resnet18", "small"),
-                        help=f"default: {GPU_PRESET.backbone} ({TINY_PRESET.backbone} with --tiny)")
+    for name in (
+        "images",
+        "image_size",
+        "objects",
+        "num_classes",
+        "width",
+        "fpn_channels",
+        "batch",
+        "steps",
+        "workers",
+        "seed",
+    ):
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=int,
+            help=f"default: {getattr(GPU_PRESET, name)} ({getattr(TINY_PRESET, name)} with --tiny)",
+        )
+    parser.add_argument(
+        "--backbone",
+        choices=("resnet18", "small"),
+        help=f"default: {GPU_PRESET.backbone} ({TINY_PRESET.backbone} with --tiny)",
+    )
     parser.add_argument("--lr", type=float)
     parser.add_argument("--processes", type=int, default=2, help="ranks (one per GPU)")
     parser.add_argument("--cpu", action="store_true", help="train on CPU even if there are GPUs")
-    parser.add_argument("--remote", action="store_true",
-                        help="run the ranks as Spark barrier tasks instead of on this machine")
+    parser.add_argument(
+        "--remote",
+        action="store_true",
+        help="run the ranks as Spark barrier tasks instead of on this machine",
+    )
     args = parser.parse_args(argv)
     preset = TINY_PRESET if args.tiny else GPU_PRESET
     overrides = {k: v for k, v in vars(args).items() if k in asdict(preset) and v is not None}
@@ -282,8 +338,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     args, config = parse_args(argv)
     spark = start_spark(args.processes) if args.remote else None
     # use_gpu=None lets sparkdist use GPUs where there are any (nccl) and the CPU otherwise.
-    distributor = Distributor(args.processes, local_mode=not args.remote,
-                              use_gpu=False if args.cpu else None, spark=spark)
+    distributor = Distributor(
+        args.processes, local_mode=not args.remote, use_gpu=False if args.cpu else None, spark=spark
+    )
     started = time.perf_counter()
     try:
         result = distributor.run_all(train, config)
@@ -292,12 +349,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             spark.stop()
     elapsed = time.perf_counter() - started
     for value in result.values:
-        print(f"rank {value['rank']}: {value['device']}, world size "
-              f"{value['process_group_size']}, loss {value['first_loss']:.4f} -> "
-              f"{value['final_loss']:.4f} (first and last quarter of the steps)")
+        print(
+            f"rank {value['rank']}: {value['device']}, world size "
+            f"{value['process_group_size']}, loss {value['first_loss']:.4f} -> "
+            f"{value['final_loss']:.4f} (first and last quarter of the steps)"
+        )
     summary = result.values[0]
-    print(f"RetinaNet ({summary['parameters']:,} parameters) on {result.world_size} ranks in "
-          f"{elapsed:.1f} s ({summary['images_per_s']:.1f} images/s)")
+    print(
+        f"RetinaNet ({summary['parameters']:,} parameters) on {result.world_size} ranks in "
+        f"{elapsed:.1f} s ({summary['images_per_s']:.1f} images/s)"
+    )
     return list(result.values)
 
 

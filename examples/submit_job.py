@@ -31,8 +31,11 @@ def train(steps: int, lr: float) -> dict[str, float]:
     dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    print(f"rank {rank}/{world} on {socket.gethostname()}, node {os.environ['NODE_RANK']}, "
-          f"local rank {os.environ['LOCAL_RANK']}, device {device}", flush=True)
+    print(
+        f"rank {rank}/{world} on {socket.gethostname()}, node {os.environ['NODE_RANK']}, "
+        f"local rank {os.environ['LOCAL_RANK']}, device {device}",
+        flush=True,
+    )
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = DDP(torch.nn.Linear(1, 1).to(device))
@@ -51,8 +54,13 @@ def train(steps: int, lr: float) -> dict[str, float]:
             first_loss = last_loss
     weight, bias = model.module.weight.item(), model.module.bias.item()
     dist.destroy_process_group()
-    return {"first_loss": first_loss, "last_loss": last_loss, "weight": weight, "bias": bias,
-            "world_size": world}
+    return {
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "weight": weight,
+        "bias": bias,
+        "world_size": world,
+    }
 
 
 def main() -> None:
@@ -76,10 +84,12 @@ def main() -> None:
         )
         elapsed = time.perf_counter() - started
         rank0 = result.values[0]
-        print(f"trained on {result.world_size} rank(s) in {result.num_tasks} barrier task(s) "
-              f"({'GPU' if result.use_gpu else 'CPU'}) in {elapsed:.1f} s: loss "
-              f"{rank0['first_loss']:.3f} -> {rank0['last_loss']:.5f}, y = {rank0['weight']:.3f} x "
-              f"+ {rank0['bias']:.3f} (target y = 3x + 1)")
+        print(
+            f"trained on {result.world_size} rank(s) in {result.num_tasks} barrier task(s) "
+            f"({'GPU' if result.use_gpu else 'CPU'}) in {elapsed:.1f} s: loss "
+            f"{rank0['first_loss']:.3f} -> {rank0['last_loss']:.5f}, y = {rank0['weight']:.3f} x "
+            f"+ {rank0['bias']:.3f} (target y = 3x + 1)"
+        )
     finally:
         spark.stop()
 

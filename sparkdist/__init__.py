@@ -27,10 +27,10 @@ if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
     from sparkdist._core.gpu_type import GPUType as GPUType
     from sparkdist._core.result import RunResult as RunResult
     from sparkdist._engine.handle import DistributedRun as DistributedRun
+    from sparkdist._pyspark_compat import DeepspeedTorchDistributor as DeepspeedTorchDistributor
+    from sparkdist._pyspark_compat import TorchDistributor as TorchDistributor
     from sparkdist.decorator import distributed as distributed
-    from sparkdist.distributor import DeepspeedTorchDistributor as DeepspeedTorchDistributor
     from sparkdist.distributor import Distributor as Distributor
-    from sparkdist.distributor import TorchDistributor as TorchDistributor
 
     #: The installed distribution's version: pyproject.toml is its one definition.
     __version__: str
@@ -40,7 +40,7 @@ _HOMES = {
     "ClusterError": "sparkdist._core.errors",
     "ConfigError": "sparkdist._core.errors",
     "ConfigTypeError": "sparkdist._core.errors",
-    "DeepspeedTorchDistributor": "sparkdist.distributor",
+    "DeepspeedTorchDistributor": "sparkdist._pyspark_compat",
     "DistributedRun": "sparkdist._engine.handle",
     "Distributor": "sparkdist.distributor",
     "GPUType": "sparkdist._core.gpu_type",
@@ -50,7 +50,7 @@ _HOMES = {
     "RunResult": "sparkdist._core.result",
     "RunTimeoutError": "sparkdist._core.errors",
     "SparkdistError": "sparkdist._core.errors",
-    "TorchDistributor": "sparkdist.distributor",
+    "TorchDistributor": "sparkdist._pyspark_compat",
     "WorkerFailedError": "sparkdist._core.errors",
     "distributed": "sparkdist.decorator",
 }

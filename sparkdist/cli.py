@@ -223,7 +223,8 @@ def _doctor(args: argparse.Namespace) -> int:
         args.properties_file,
         args.spark_timeout if args.spark_timeout is not None else SPARK_PROBE_TIMEOUT_S,
         progress=ProgressPrinter(sys.stderr),  # each check as it starts and ends: the
-    )  # session check alone can take a minute
+        master=args.master,  # session check alone can take a minute
+    )
     print(format_checks(checks))  # the table, then the one-line verdict, on stdout
     return 1 if has_problem(checks) else 0
 

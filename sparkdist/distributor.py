@@ -1,10 +1,12 @@
-"""The launchers: ``Distributor``, and pyspark's ``TorchDistributor`` and its DeepSpeed kin.
+"""The launcher: ``Distributor``, and ``make_job``, which every front door shares.
 
-All front one engine (``_engine.launch``). The pyspark drop-ins (``_pyspark_compat``, re-exported
-here) keep pyspark's signatures, checks and attributes so swapping the import is enough, and
-differ where pyspark is wrong: ``run`` returns rank 0's value (pyspark's local mode returns
-whichever rank finished last) and raises ``WorkerFailedError`` when a rank fails (pyspark
-reports a failing script as success); docs/launching.md lists every difference.
+Everything fronts one engine (``_engine.launch``). pyspark's ``TorchDistributor`` and its
+DeepSpeed kin live in ``_pyspark_compat`` (they subclass ``Distributor``, so imports run from
+there to here; ``sparkdist`` exports them). They keep pyspark's signatures, checks and
+attributes so swapping the import is enough, and differ where pyspark is wrong: ``run``
+returns rank 0's value (pyspark's local mode returns whichever rank finished last) and raises
+``WorkerFailedError`` when a rank fails (pyspark reports a failing script as success);
+docs/launching.md lists every difference.
 """
 
 from __future__ import annotations
@@ -305,8 +307,4 @@ def make_job(train_object: TrainObject, args: tuple[Any, ...], kwargs: dict[str,
     )
 
 
-# pyspark's launchers by pyspark's names live in a module of their own; they subclass
-# Distributor (above), so they are imported once it exists.
-from sparkdist._pyspark_compat import DeepspeedTorchDistributor, TorchDistributor  # noqa: E402
-
-__all__ = ["DeepspeedTorchDistributor", "Distributor", "TorchDistributor", "make_job"]
+__all__ = ["Distributor", "make_job"]

@@ -152,6 +152,7 @@ def no_leftovers() -> Iterator[None]:
     assert not survivors, f"processes of a run survived the test: {survivors}"
     assert not set(run_dirs()) - dirs_before, "a run directory was left behind"
 
+
 # Runs track to MLflow by default; tests must not write mlflow.db into the repo: they opt in.
 os.environ["SPARKDIST_MLFLOW"] = "0"
 

@@ -2,10 +2,11 @@
 
 A rank's ``init_process_group`` fails in a handful of ways, each with torch's, gloo's or NCCL's
 own words: the store client cannot connect to ``MASTER_ADDR:MASTER_PORT`` (``DistNetworkError``:
-"... while trying to connect to (A, P)"), a peer never wrote its address to the store
-(``DistStoreError``: "wait timeout after ...ms, keys: ..."), ``GLOO_SOCKET_IFNAME`` names no
-interface ("Unable to find address for: X"), or the full mesh cannot be built ("Gloo
-connectFullMesh failed with ..."; gloo names the peer as ``[A]:P``, NCCL as ``A<P>``).
+"... while trying to connect to (A, P)", "... to any network address of (A, P)"), a peer never
+wrote its address to the store (``DistStoreError``: "wait timeout after ...ms, keys: ..."),
+``GLOO_SOCKET_IFNAME`` names no interface ("Unable to find address for: X"), or the full mesh
+cannot be built ("Gloo connectFullMesh failed with ..."; gloo names the peer as ``[A]:P``, NCCL
+as ``A<P>``).
 ``diagnose`` reads that message together with the rank's own environment (its node rank,
 its host as the driver knows it, ``MASTER_ADDR``/``MASTER_PORT``, the ``*_SOCKET_IFNAME``
 settings) and says which node could not reach what, and the fix.
@@ -34,7 +35,9 @@ DOCTOR_HINT = "`sparkdist doctor --master <url>` shows which nodes reach the dri
 _MAX_QUOTE_CHARS = 160
 
 _STORE_CONNECT = (
-    re.compile(r"trying to connect to \((?P<addr>[^,()\s]+), (?P<port>\d+)\)"),
+    re.compile(
+        r"(?:trying to connect to|any network address of) \((?P<addr>[^,()\s]+), (?P<port>\d+)\)"
+    ),
     re.compile(r"failed to connect/validate to host (?P<addr>\S+?):(?P<port>\d+)"),
 )
 _STORE_WAIT = re.compile(
@@ -173,6 +176,21 @@ def _peer_unreachable(
         f"{addr}:{port}{note}"
     )
     if is_loopback(addr) and not is_loopback(host or addr):
+        told = env.get(ifname_var, "")
+        if told:
+            # The ranks were told an interface (env= tells every rank the same one), so the
+            # peer did not listen on its name's address: that interface holds a loopback one
+            # (env={"GLOO_SOCKET_IFNAME": "lo"}). NCCL's value is quoted as given ("=lo",
+            # "^eth": exact, exclude). sparkdist sets it too, where a node's interface is
+            # found: a peer where none was could still have read its loopback host name.
+            return Diagnosis(
+                what,
+                f"a peer offered the loopback address {addr}: {ifname_var}={told} makes "
+                f"{library} listen on a loopback address the other nodes cannot reach; unset "
+                "it (sparkdist then picks the interface holding the node's address) or name "
+                "the interface the nodes share; if you did not set it, the peer's host name "
+                "resolves to loopback: map it to its network address in /etc/hosts",
+            )
         return Diagnosis(
             what,
             f"a peer offered the loopback address {addr}: its host name resolves to loopback "

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sparkdist._doctor.network import CHECK_NAME, network_check
+from sparkdist._doctor.network_probe import ClusterProbe
 from sparkdist._doctor.progress import Progress, Silent
 from sparkdist._doctor.spark import (
     SPARK_PROBE_TIMEOUT_S,
@@ -54,14 +56,17 @@ def run_checks(
     properties_file: str | None = None,
     spark_timeout_s: float = SPARK_PROBE_TIMEOUT_S,
     progress: Progress | None = None,
+    master: str | None = None,
 ) -> list[Check]:
     """Run every check and return them in table order.
 
     Args:
         conf_overrides: Spark conf to judge on top of spark-defaults.conf (``--conf``).
         properties_file: a Spark properties file to judge instead of spark-defaults.conf.
-        spark_timeout_s: how long the Spark session check may take.
+        spark_timeout_s: how long each Spark check (the session, the cluster network) may take.
         progress: told as each check starts and ends (the CLI prints it).
+        master: a Spark master to run the cluster network probe on (``--master``), with the
+            conf judged here; None to skip it.
     """
     from sparkdist._backends.session import read_properties, spark_defaults_path
 
@@ -91,7 +96,16 @@ def run_checks(
             "other checks run meanwhile",
         )
         probe = SparkProbe(spark_timeout_s)
+    cluster: ClusterProbe | None = None
     try:
+        if master is not None and probe is not None:
+            tell.started(
+                CHECK_NAME,
+                f"a barrier job on {master} in a child process, up to {spark_timeout_s:.0f} s",
+            )
+            # The session reads spark-defaults.conf itself; a --properties-file it is handed.
+            session_conf = conf if properties_file else dict(conf_overrides or {})
+            cluster = ClusterProbe(master, session_conf, spark_timeout_s)
         tell.started("torch", "imports it")
         started = time.monotonic()
         torch = probe_torch()
@@ -141,14 +155,36 @@ def run_checks(
                     "fix the pyspark and java rows above",
                 ),
             )
+        network = []
+        if master is not None and cluster is None:
+            network = [
+                _timed(
+                    tell,
+                    CHECK_NAME,
+                    lambda: Check(
+                        CHECK_NAME,
+                        Status.PROBLEM,
+                        f"{master}: not tried: needs pyspark and Java",
+                        "fix the pyspark and java rows above",
+                    ),
+                )
+            ]
+        if cluster is not None:
+            if cluster.running():
+                tell.waiting(CHECK_NAME, time.monotonic() - probe_started)
+            network = [network_check(cluster.report())]
+            tell.finished(network[0], time.monotonic() - probe_started)
     finally:
         if probe is not None:
             probe.kill()
+        if cluster is not None:
+            cluster.kill()
     return [
         python_check,
         java_check,
         pyspark_check,
         session,
+        *network,
         torch_check,
         gpus_check,
         conf_check,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sparkdist._core.addresses import is_loopback
+from sparkdist._core.addresses import ip_literal, is_loopback
 from sparkdist._doctor.table import Check, Status
 from sparkdist._wire.client import CONNECT_TIMEOUT_S as CHANNEL_CONNECT_TIMEOUT_S
 
@@ -204,6 +204,22 @@ def judge_observation(seen: NodeObservation) -> list[Finding]:
                 f"tools (map {name} to {seen.address})",
             )
         )
+    elif (
+        not loopback_node
+        and ip_literal(seen.address) is not None  # Spark may name a node by name (YARN)
+        and seen.address not in seen.name_addresses
+    ):
+        # Tools that advertise the address of their host name (gloo and NCCL without an
+        # interface named, torchrun's c10d) would hand out one the peers may not reach.
+        found.append(
+            Finding(
+                Status.NOTE,
+                f"own name {name} resolves to {', '.join(seen.name_addresses)}, not to "
+                f"{seen.address} (the address Spark reached it at)",
+                "fine for sparkdist (it sets GLOO_SOCKET_IFNAME), but other tools advertise "
+                f"that address: map {name} to {seen.address} in /etc/hosts or DNS",
+            )
+        )
     if not found:
         found.append(
             Finding(
@@ -317,7 +333,7 @@ def report_from_json(text: str) -> NetworkReport:
         return NetworkReport(
             **{**data, "nodes": tuple(observation_from_dict(n) for n in data["nodes"])}
         )
-    except (TypeError, KeyError) as exc:
+    except (TypeError, KeyError, AttributeError) as exc:
         raise ValueError(f"not a network report: {exc}") from exc
 
 

@@ -45,9 +45,12 @@ examples:
   # judge the GPU conf you are about to use, not just spark-defaults.conf
   sparkdist doctor --properties-file conf/spark-defaults.conf
   sparkdist doctor --conf spark.task.resource.gpu.amount=1
+  # can the cluster's nodes reach the driver and each other, on the right interface?
+  sparkdist doctor --master spark://head:7077
 
 Checks Java, that a local Spark session starts and runs a Python task, torch and its CUDA
-build, the GPUs nvidia-smi lists, the Spark GPU scheduling conf, DeepSpeed and MLflow.
+build, the GPUs nvidia-smi lists, the Spark GPU scheduling conf, DeepSpeed and MLflow; with
+--master, the network of that cluster's nodes, one line per node.
 
 exit status: 0 when nothing a run needs is missing (no GPU on a CPU machine, no DeepSpeed or
 no MLflow are notes, not problems); 1 when a PROBLEM row says what to fix.
@@ -208,7 +211,13 @@ def _add_doctor(commands: Any, verbosity: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=None,
         metavar="SECONDS",
-        help="how long the Spark session check may take (default: 120)",
+        help="how long each Spark check (the session, the cluster network) may take (default: 120)",
+    )
+    doctor.add_argument(
+        "--master",
+        metavar="URL",
+        help="also run a short barrier job on this master (spark://host:7077, yarn, ...) and "
+        "check each node's address, interface, host name and reach to the driver and task 0",
     )
 
 

@@ -2,10 +2,11 @@
 
 Four parts, each usable without pytest's hooks: which Spark master a test session uses
 (``resolve_master``), the session's SparkSession (``SparkSessions``: one SparkContext per
-process, reused when one is already active, stopped only if we started it), the processes of
-this session's runs (``rank_processes``: a per-session environment marker, which every rank and
-every warm-pool zygote inherits, keeps other sessions' processes out), and what CUDA this
-machine offers (``cuda_devices``, decided without importing torch).
+process, reused when one is already active, stopped only if we started it; its conf is
+``pytest_spark_conf``'s), the processes of this session's runs (``rank_processes``: a
+per-session environment marker, which every rank and every warm-pool zygote inherits, keeps
+other sessions' processes out), and what CUDA this machine offers (``cuda_devices``, decided
+without importing torch).
 
 Everything heavy (pyspark, psutil, the launcher) is imported inside the function that needs it:
 pytest imports the plugin in every session of every project installed next to sparkdist.
@@ -21,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Mapping
@@ -30,6 +30,7 @@ from typing import Any
 
 from sparkdist._backends.session import create_session
 from sparkdist._core.env import PYTEST_SESSION_VAR, RUN_ID_VAR, ZYGOTE_VAR
+from sparkdist._frontdoors.pytest_spark_conf import QUIET_LOG4J2, session_conf
 from sparkdist._node.gpus import visible_gpus
 from sparkdist._node.zygote import RANK_NAME_PREFIX, SPARE_NAME
 
@@ -46,21 +47,6 @@ MASTER_ALIASES = {"local": DEFAULT_MASTER, "cluster": CLUSTER_MASTER}
 DEFAULT_TIMEOUT_S = 120.0
 #: Seconds the leak check waits for processes that are already on their way out.
 LEFTOVER_GRACE_S = 2.0
-
-_QUIET_LOG4J2 = """\
-# WARN at the root, as Spark's shell default is, or Spark says it is setting that default;
-# the session lowers it to ERROR once started.
-rootLogger.level = warn
-logger.native.name = org.apache.hadoop.util.NativeCodeLoader
-logger.native.level = error
-rootLogger.appenderRef.stderr.ref = console
-appender.console.type = Console
-appender.console.name = console
-appender.console.target = SYSTEM_ERR
-appender.console.layout.type = PatternLayout
-appender.console.layout.pattern = %d{HH:mm:ss} %p %c{1}: %m%n%ex
-"""
-
 
 # -- the Spark master ---------------------------------------------------------------------------
 
@@ -155,22 +141,8 @@ class SparkSessions:
             self._log_dir = tempfile.mkdtemp(prefix="sparkdist_pytest-log4j2-")
         log_conf = os.path.join(self._log_dir, "log4j2.properties")
         with open(log_conf, "w", encoding="utf-8") as f:
-            f.write(_QUIET_LOG4J2)
-        conf = {
-            "spark.pyspark.python": sys.executable,
-            "spark.ui.enabled": "false",
-            "spark.ui.showConsoleProgress": "false",
-            "spark.driver.host": "127.0.0.1",
-            "spark.driver.bindAddress": "127.0.0.1",
-            "spark.executorEnv.SPARK_LOCAL_IP": "127.0.0.1",
-            "spark.sql.shuffle.partitions": "2",
-            "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{log_conf}",
-        }
-        cluster = re.fullmatch(r"local-cluster\[\s*\d+\s*,\s*\d+\s*,\s*(\d+)\s*\]", self.master)
-        if cluster is not None:
-            # Each worker of local-cluster[n,cores,MB] offers MB; an executor must fit in it.
-            conf["spark.executor.memory"] = f"{int(cluster.group(1)) * 3 // 4}m"
-        conf.update(self.extra_conf)
+            f.write(QUIET_LOG4J2)
+        conf = session_conf(self.master, log_conf, self.extra_conf)
         return create_session(self.master, conf, app_name="sparkdist-pytest", log_level="ERROR")
 
     def stop(self) -> None:

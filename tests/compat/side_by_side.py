@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: The public attributes of pyspark's instances (after construction), compared by value.
-TORCH_ATTRIBUTES = ("num_processes", "local_mode", "use_gpu", "num_tasks", "ssl_conf",
-                    "input_params", "is_remote", "is_spark_local_master")
+TORCH_ATTRIBUTES = (
+    "num_processes",
+    "local_mode",
+    "use_gpu",
+    "num_tasks",
+    "ssl_conf",
+    "input_params",
+    "is_remote",
+    "is_spark_local_master",
+)
 DEEPSPEED_ATTRIBUTES = (*TORCH_ATTRIBUTES, "deepspeed_config", "cleanup_deepspeed_conf")
 
 
@@ -23,15 +31,19 @@ def pyspark_classes() -> dict[str, type]:
     from pyspark.ml.deepspeed.deepspeed_distributor import DeepspeedTorchDistributor
     from pyspark.ml.torch.distributor import TorchDistributor
 
-    return {"TorchDistributor": TorchDistributor,
-            "DeepspeedTorchDistributor": DeepspeedTorchDistributor}
+    return {
+        "TorchDistributor": TorchDistributor,
+        "DeepspeedTorchDistributor": DeepspeedTorchDistributor,
+    }
 
 
 def sparkdist_classes() -> dict[str, type]:
     from sparkdist import DeepspeedTorchDistributor, TorchDistributor
 
-    return {"TorchDistributor": TorchDistributor,
-            "DeepspeedTorchDistributor": DeepspeedTorchDistributor}
+    return {
+        "TorchDistributor": TorchDistributor,
+        "DeepspeedTorchDistributor": DeepspeedTorchDistributor,
+    }
 
 
 @dataclass
@@ -55,8 +67,7 @@ class _Collect(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def observe(cls: type, kwargs: dict[str, Any],
-            run: Callable[[Any], Any] | None = None) -> Observed:
+def observe(cls: type, kwargs: dict[str, Any], run: Callable[[Any], Any] | None = None) -> Observed:
     """Make ``cls(**kwargs)``, then (if given) ``run(instance)``; record what a user sees."""
     seen = Observed()
     started = time.monotonic()
@@ -85,8 +96,9 @@ def observe(cls: type, kwargs: dict[str, Any],
     return seen
 
 
-def both(name: str, kwargs: dict[str, Any],
-         run: Callable[[Any], Any] | None = None) -> tuple[Observed, Observed]:
+def both(
+    name: str, kwargs: dict[str, Any], run: Callable[[Any], Any] | None = None
+) -> tuple[Observed, Observed]:
     """The case against pyspark's class ``name``, then against sparkdist's."""
     theirs = observe(pyspark_classes()[name], kwargs, run)
     ours = observe(sparkdist_classes()[name], kwargs, run)

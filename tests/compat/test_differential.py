@@ -58,6 +58,7 @@ def by_value():
 
 # -- construction: the GPU conf, checked when the distributor is made -------------------------
 
+
 @pytest.mark.parametrize(
     ("settings", "kwargs"),
     [
@@ -107,6 +108,7 @@ def test_deepspeed_distributor_construction(spark_local, settings, kwargs):
 
 # -- SSL: refused at run() on a cluster unless the runtime conf opts out ----------------------
 
+
 def rank_and_world():
     import os
 
@@ -115,9 +117,11 @@ def rank_and_world():
 
 @pytest.mark.parametrize("name", ["TorchDistributor", "DeepspeedTorchDistributor"])
 def test_ssl_without_the_opt_out_fails_at_run(spark_local, name):
-    kwargs = ({"num_processes": 2, "local_mode": False, "use_gpu": False}
-              if name == "TorchDistributor" else {"numGpus": 2, "localMode": False,
-                                                  "useGpu": False})
+    kwargs = (
+        {"num_processes": 2, "local_mode": False, "use_gpu": False}
+        if name == "TorchDistributor"
+        else {"numGpus": 2, "localMode": False, "useGpu": False}
+    )
     # pytorch's opt-out does not cover the DeepSpeed class: it has its own key.
     with runtime_conf(spark_local, **conf(**{SSL: "true", TORCH_OPT_OUT: "false"})):
         theirs, ours = both(name, kwargs, lambda d: d.run(rank_and_world))
@@ -128,11 +132,11 @@ def test_ssl_without_the_opt_out_fails_at_run(spark_local, name):
 # -- a real Spark-mode run: SSL on with the runtime opt-out, a DataFrame through pyspark's own
 #    partition loader (one run covers both: pyspark's Spark-mode runs cost tens of seconds here)
 
+
 def rows_through_pysparks_loader(num_samples):
     import os
 
     import torch.distributed as dist
-
     from pyspark.ml.torch.distributor import _get_spark_partition_data_loader
 
     dist.init_process_group("gloo")
@@ -144,13 +148,18 @@ def rows_through_pysparks_loader(num_samples):
     if "SPARKDIST_PARTITION_FILE" in os.environ:  # under sparkdist: its own reader, same rows
         from sparkdist import data
 
-        own = {"rows": sorted(data.partition_table().column("id").to_pylist()),
-               "counts": data.rows_per_rank()}
+        own = {
+            "rows": sorted(data.partition_table().column("id").to_pylist()),
+            "counts": data.rows_per_rank(),
+        }
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (sorted(ids), own))
     dist.destroy_process_group()
-    return {"ids": [seen for seen, _ in everyone], "sparkdist": [own for _, own in everyone],
-            "kinds": sorted(kinds)}
+    return {
+        "ids": [seen for seen, _ in everyone],
+        "sparkdist": [own for _, own in everyone],
+        "kinds": sorted(kinds),
+    }
 
 
 def test_ssl_opt_out_and_dataframe_through_pysparks_loader(spark_local, by_value):
@@ -161,8 +170,11 @@ def test_ssl_opt_out_and_dataframe_through_pysparks_loader(spark_local, by_value
     kwargs = {"num_processes": 2, "local_mode": False, "use_gpu": False}
     with runtime_conf(spark_local, **conf(**{SSL: "true", TORCH_OPT_OUT: "true"})):
         # 25 samples of ~20 rows per rank: the loader wraps round its own rows.
-        theirs, ours = both("TorchDistributor", kwargs,
-                            lambda d: d._train_on_dataframe(rows_through_pysparks_loader, df, 25))
+        theirs, ours = both(
+            "TorchDistributor",
+            kwargs,
+            lambda d: d._train_on_dataframe(rows_through_pysparks_loader, df, 25),
+        )
     assert len(theirs.warnings) == 1  # the SSL opt-out, said on the class's logger
     assert_same(theirs, ours, compare_value=False)  # which rows land on which rank differs
     for seen in (theirs.value, ours.value):
@@ -172,25 +184,28 @@ def test_ssl_opt_out_and_dataframe_through_pysparks_loader(spark_local, by_value
     assert ours.value["kinds"] == theirs.value["kinds"] == [("Tensor", (2,))]
     # In the same run, sparkdist.data reads exactly the rows pyspark's loader read (one file).
     counts = [len(ids) for ids in ours.value["ids"]]
-    for ids, own in zip(ours.value["ids"], ours.value["sparkdist"]):
+    for ids, own in zip(ours.value["ids"], ours.value["sparkdist"], strict=True):
         assert own == {"rows": ids, "counts": counts}
 
 
 # -- refusals at run(): what pyspark raises before (or instead of) training ---------------------
 
+
 def fail_on_every_rank():
     raise ValueError("the training function failed")
 
 
-@pytest.mark.parametrize("case", ["dataframe in local mode", "keywords for a script",
-                                  "a failing function"])
+@pytest.mark.parametrize(
+    "case", ["dataframe in local mode", "keywords for a script", "a failing function"]
+)
 def test_refused_or_failed_at_run(spark_local, tmp_path, by_value, case):
     script = tmp_path / "args_script.py"
     script.write_text(ARGS_SCRIPT)
     kwargs = {"num_processes": 2, "local_mode": True, "use_gpu": False}
     run = {
-        "dataframe in local mode":
-            lambda d: d._train_on_dataframe(rank_and_world, spark_local.range(4)),
+        "dataframe in local mode": lambda d: d._train_on_dataframe(
+            rank_and_world, spark_local.range(4)
+        ),
         "keywords for a script": lambda d: d.run(str(script), lr=0.1),
         # pyspark: RuntimeError("...failed during training"); ours: WorkerFailedError, also one.
         "a failing function": lambda d: d.run(fail_on_every_rank),
@@ -240,7 +255,8 @@ def test_script_with_arguments(spark_local, tmp_path, capfd):
     script.write_text(ARGS_SCRIPT)
     kwargs = {"num_processes": 2, "local_mode": True, "use_gpu": False}
     run, captured = run_and_capture(
-        capfd, lambda d: d.run(str(script), "--lr", 0.5, "--name", "a b"), "ARGS")
+        capfd, lambda d: d.run(str(script), "--lr", 0.5, "--name", "a b"), "ARGS"
+    )
     theirs, ours = both("TorchDistributor", kwargs, run)
     assert_same(theirs, ours)
     assert theirs.value is None
@@ -291,9 +307,12 @@ os.write(1, (" ".join(map(str, words)) + "\\n").encode())
 
 
 def zero_config(stage):
-    return {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
-            "zero_optimization": {"stage": stage},
-            "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}}}
+    return {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {"stage": stage},
+        "optimizer": {"type": "Adam", "params": {"lr": 0.05, "torch_adam": True}},
+    }
 
 
 @pytest.fixture
@@ -337,6 +356,7 @@ def test_deepspeed_trains_from_a_config_file(spark_local, tmp_path, capfd, deeps
 
 # -- Spark Connect: the same checks through a Connect session (few: each is a round trip) -----
 
+
 @pytest.mark.parametrize(
     ("settings", "kwargs"),
     [
@@ -360,6 +380,7 @@ def test_connect_ssl_without_the_opt_out_fails_at_run(spark_connect):
 
 
 # -- an intended difference, pinned: docs/launching.md lists it ------------------------------
+
 
 def test_a_failing_script_is_a_failure_here_and_a_success_in_pyspark(spark_local, tmp_path):
     from sparkdist import WorkerFailedError

@@ -25,8 +25,10 @@ ALLOWED_MISSING: dict[str, str] = {}
 #: Methods whose signatures are compared parameter by parameter (name, kind, default).
 METHODS = ("__init__", "run", "_train_on_dataframe")
 #: Private class attributes pyspark's code reads on these classes.
-CLASS_CONSTANTS = {"TorchDistributor": ("_TORCH_SSL_CONF",),
-                   "DeepspeedTorchDistributor": ("_TORCH_SSL_CONF", "_DEEPSPEED_SSL_CONF")}
+CLASS_CONSTANTS = {
+    "TorchDistributor": ("_TORCH_SSL_CONF",),
+    "DeepspeedTorchDistributor": ("_TORCH_SSL_CONF", "_DEEPSPEED_SSL_CONF"),
+}
 
 
 def shape(function):
@@ -64,8 +66,15 @@ def test_the_deepspeed_class_is_a_torch_distributor_in_both():
     [
         ("TorchDistributor", {"num_processes": 2, "local_mode": True, "use_gpu": False}),
         ("TorchDistributor", {"num_processes": 2, "local_mode": False, "use_gpu": False}),
-        ("DeepspeedTorchDistributor", {"numGpus": 2, "nnodes": 1, "useGpu": False,
-                                       "deepspeedConfig": {"train_batch_size": 2}}),
+        (
+            "DeepspeedTorchDistributor",
+            {
+                "numGpus": 2,
+                "nnodes": 1,
+                "useGpu": False,
+                "deepspeedConfig": {"train_batch_size": 2},
+            },
+        ),
     ],
 )
 def test_instance_public_attributes_match(spark_local, name, kwargs):

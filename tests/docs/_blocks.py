@@ -123,8 +123,10 @@ def blocks_of(text: str, page: str) -> list[Block]:
                 "only ```python blocks are run"
             )
         if is_python:
-            body = [ln[len(indent):] if ln.startswith(indent) else ln.lstrip()
-                    for ln in lines[i + 1:end]]
+            body = [
+                ln[len(indent) :] if ln.startswith(indent) else ln.lstrip()
+                for ln in lines[i + 1 : end]
+            ]
             how, reason = (pending[1], pending[2]) if pending is not None else (How.SCRIPT, None)
             found.append(Block(page, i + 1, "\n".join(body) + "\n", how, reason))
         pending = None

@@ -62,11 +62,13 @@ def run_pytest_block(directory: Path, stem: str, source: str) -> None:
     directory.mkdir()
     test_file = directory / f"test_{stem}.py"
     test_file.write_text(source, encoding="utf-8")
-    code = pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(directory),
-                        str(test_file)])
+    code = pytest.main(
+        ["-q", "-rs", "-p", "no:cacheprovider", "--rootdir", str(directory), str(test_file)]
+    )
     if code != 0:
-        raise AssertionError(f"pytest exited with {int(code)} for {test_file.name} (its output "
-                             "is above)")
+        raise AssertionError(
+            f"pytest exited with {int(code)} for {test_file.name} (its output is above)"
+        )
 
 
 def main() -> int:
@@ -90,8 +92,11 @@ def main() -> int:
                 raise
             error = "".join(traceback.format_exception(exc))
             failed += 1
-        outcome = {"id": block["id"], "seconds": round(time.monotonic() - started, 2),
-                   "error": error}
+        outcome = {
+            "id": block["id"],
+            "seconds": round(time.monotonic() - started, 2),
+            "error": error,
+        }
         with report.open("a", encoding="utf-8") as f:
             f.write(json.dumps(outcome) + "\n")
         sys.stdout.flush()

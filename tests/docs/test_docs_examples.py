@@ -72,13 +72,25 @@ class GroupRun:
         workdir.mkdir(parents=True, exist_ok=True)
         spec = workdir / "blocks.json"
         self.report = workdir / "report.jsonl"
-        spec.write_text(json.dumps([{"id": b.id, "stem": b.stem, "source": b.source,
-                                     "how": b.how.value} for b in blocks]), encoding="utf-8")
+        spec.write_text(
+            json.dumps(
+                [
+                    {"id": b.id, "stem": b.stem, "source": b.source, "how": b.how.value}
+                    for b in blocks
+                ]
+            ),
+            encoding="utf-8",
+        )
         command = [sys.executable, str(RUNNER), str(spec), str(self.report)]
         self.workdir, self.marker = workdir, uuid.uuid4().hex
-        self.proc = subprocess.Popen(command + (["--spark"] if spark else []), cwd=workdir,
-                                     env=docs_env(workdir, self.marker), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command + (["--spark"] if spark else []),
+            cwd=workdir,
+            env=docs_env(workdir, self.marker),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.result: dict[str, Any] | None = None
 
     def wait(self) -> dict[str, Any]:
@@ -97,9 +109,13 @@ class GroupRun:
             for line in self.report.read_text(encoding="utf-8").splitlines():
                 outcome = json.loads(line)
                 outcomes[outcome["id"]] = outcome
-        self.result = {"outcomes": outcomes, "log": log.decode(errors="replace"),
-                       "timed_out": timed_out, "returncode": self.proc.returncode,
-                       "leftovers": [] if timed_out else self._leftovers()}
+        self.result = {
+            "outcomes": outcomes,
+            "log": log.decode(errors="replace"),
+            "timed_out": timed_out,
+            "returncode": self.proc.returncode,
+            "leftovers": [] if timed_out else self._leftovers(),
+        }
         return self.result
 
     def _leftovers(self) -> list[str]:
@@ -141,8 +157,9 @@ class _Groups:
     def outcome(self, block: Block) -> tuple[dict[str, Any] | None, dict[str, Any]]:
         if not self.runs:
             for spark in (True, False):
-                members = [b for b in BLOCKS
-                           if b.how is not How.SKIP and (b.how in SPARK_RUNNER) is spark]
+                members = [
+                    b for b in BLOCKS if b.how is not How.SKIP and (b.how in SPARK_RUNNER) is spark
+                ]
                 if members:
                     name = "spark" if spark else "scripts"
                     self.runs[spark] = GroupRun(members, self.root / name, spark=spark)
@@ -169,11 +186,14 @@ def test_docs_block_runs(block: Block, groups: _Groups) -> None:
     outcome, group = groups.outcome(block)
     if outcome is None:
         why = "the runner timed out" if group["timed_out"] else "the runner stopped"
-        pytest.fail(f"{block.id}: no outcome ({why} at or before this block); its output:\n"
-                    f"{_tail(group['log'])}")
+        pytest.fail(
+            f"{block.id}: no outcome ({why} at or before this block); its output:\n"
+            f"{_tail(group['log'])}"
+        )
     if outcome["error"] is not None:
-        pytest.fail(f"{block.id} raised:\n{outcome['error']}\nrunner output:\n"
-                    f"{_tail(group['log'], 30)}")
+        pytest.fail(
+            f"{block.id} raised:\n{outcome['error']}\nrunner output:\n{_tail(group['log'], 30)}"
+        )
     assert not group["leftovers"], f"the docs runner's runs left: {group['leftovers']}"
 
 
@@ -189,22 +209,28 @@ def test_the_pages_have_blocks_that_run() -> None:
     runs = [b for b in BLOCKS if b.how is not How.SKIP]
     assert any(b.page == "README.md" for b in runs), "README.md's examples are not run"
     assert len(runs) >= 10, [b.id for b in BLOCKS]
-    assert {b.page for b in BLOCKS} <= {p.relative_to(REPO).as_posix()
-                                        for p in REPO.glob("*.md")} | {
-        p.relative_to(REPO).as_posix() for p in REPO.glob("docs/*.md")}
+    assert {b.page for b in BLOCKS} <= {
+        p.relative_to(REPO).as_posix() for p in REPO.glob("*.md")
+    } | {p.relative_to(REPO).as_posix() for p in REPO.glob("docs/*.md")}
 
 
 def page(text: str) -> str:
     return textwrap.dedent(text).lstrip()
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    (page("""
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            page("""
         ```python
         print(1)
         ```
-     """), [(How.SCRIPT, None, "print(1)\n")]),
-    (page("""
+     """),
+            [(How.SCRIPT, None, "print(1)\n")],
+        ),
+        (
+            page("""
         <!-- docs-test: skip (needs 8 GPUs) -->
 
         ```python
@@ -221,31 +247,43 @@ def page(text: str) -> str:
         ```python
         def test_it(): pass
         ```
-     """), [(How.SKIP, "needs 8 GPUs", "x = 1\n"), (How.SPARK, None, "y = 2\n"),
-            (How.PYTEST, None, "def test_it(): pass\n")]),
-    (page("""
+     """),
+            [
+                (How.SKIP, "needs 8 GPUs", "x = 1\n"),
+                (How.SPARK, None, "y = 2\n"),
+                (How.PYTEST, None, "def test_it(): pass\n"),
+            ],
+        ),
+        (
+            page("""
         1. A list item:
 
            ```python
            if True:
                z = 3
            ```
-     """), [(How.SCRIPT, None, "if True:\n    z = 3\n")]),
-])
+     """),
+            [(How.SCRIPT, None, "if True:\n    z = 3\n")],
+        ),
+    ],
+)
 def test_blocks_and_their_directives_are_found(text, expected):
     found = blocks_of(text, "page.md")
     assert [(b.how, b.skip_reason, b.source) for b in found] == expected
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("<!-- docs-test: skip -->\n```python\nx = 1\n```\n", "must say why"),
-    ("<!-- docs-test: skip () -->\n```python\nx = 1\n```\n", "must say why"),
-    ("<!-- docs-test: skipp (typo) -->\n```python\nx = 1\n```\n", "unknown directive"),
-    ("<!-- docs-test: spark -->\n```bash\nls\n```\n", "only ```python blocks are run"),
-    ("<!-- docs-test: spark -->\nsome prose\n```python\nx = 1\n```\n", "right before"),
-    ("text\n<!-- docs-test: spark -->\n", "has no block"),
-    ("```python\nx = 1\n", "never closed"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("<!-- docs-test: skip -->\n```python\nx = 1\n```\n", "must say why"),
+        ("<!-- docs-test: skip () -->\n```python\nx = 1\n```\n", "must say why"),
+        ("<!-- docs-test: skipp (typo) -->\n```python\nx = 1\n```\n", "unknown directive"),
+        ("<!-- docs-test: spark -->\n```bash\nls\n```\n", "only ```python blocks are run"),
+        ("<!-- docs-test: spark -->\nsome prose\n```python\nx = 1\n```\n", "right before"),
+        ("text\n<!-- docs-test: spark -->\n", "has no block"),
+        ("```python\nx = 1\n", "never closed"),
+    ],
+)
 def test_malformed_directives_are_refused_with_where(text, message):
     with pytest.raises(DocsTestError, match=message) as caught:
         blocks_of(text, "page.md")
@@ -253,7 +291,8 @@ def test_malformed_directives_are_refused_with_where(text, message):
 
 
 def test_a_block_that_raises_is_reported_and_the_next_one_still_runs(tmp_path):
-    blocks = blocks_of(page("""
+    blocks = blocks_of(
+        page("""
         ```python
         raise ValueError("boom in the docs")
         ```
@@ -265,7 +304,9 @@ def test_a_block_that_raises_is_reported_and_the_next_one_still_runs(tmp_path):
         import sys
         sys.exit(0)
         ```
-    """), "page.md")
+    """),
+        "page.md",
+    )
 
     group = run_group(blocks, tmp_path, spark=False)
 

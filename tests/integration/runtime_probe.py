@@ -18,8 +18,11 @@ from sparkdist import runtime
 
 def probe(out_dir: str) -> None:
     answers = {
-        "before_init": [runtime.get_global_rank(), runtime.get_world_size(),
-                        runtime.get_replica_rank()],
+        "before_init": [
+            runtime.get_global_rank(),
+            runtime.get_world_size(),
+            runtime.get_replica_rank(),
+        ],
     }
     dist.init_process_group(runtime.backend())
     rank_1_only = dist.new_group([1])  # every rank creates it; only rank 1 is a member

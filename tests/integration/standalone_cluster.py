@@ -56,12 +56,29 @@ class StandaloneCluster:
             **extra,
         }
 
-    def start(self, num_workers: int, cores: int, gpus: int, fake_gpu_script: Path,
-              timeout_s: float = 90.0) -> StandaloneCluster:
+    def start(
+        self,
+        num_workers: int,
+        cores: int,
+        gpus: int,
+        fake_gpu_script: Path,
+        timeout_s: float = 90.0,
+    ) -> StandaloneCluster:
         deadline = time.monotonic() + timeout_s
         master_log = self.directory / "master.log"
-        self._spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
-                     "--port", "0", "--webui-port", "0"], master_log, self.env())
+        self._spawn(
+            [
+                "org.apache.spark.deploy.master.Master",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--webui-port",
+                "0",
+            ],
+            master_log,
+            self.env(),
+        )
         self.master_url = _wait_for(master_log, _MASTER_URL, deadline, self._daemons[0]).group(1)
         properties = self.directory / "worker.properties"
         properties.write_text(
@@ -74,12 +91,26 @@ class StandaloneCluster:
             work_dir.mkdir()
             log = self.directory / f"worker-{index}.log"
             self._spawn(
-                ["org.apache.spark.deploy.worker.Worker", "--host", "127.0.0.1", "--port", "0",
-                 "--webui-port", "0", "--cores", str(cores), "--memory", "1g",
-                 "--work-dir", str(work_dir), "--properties-file", str(properties),
-                 self.master_url],
-                log, self.env(**{WORKER_NAME_VAR: f"worker-{index}",
-                                 "SPARKDIST_FAKE_GPUS": str(gpus)}),
+                [
+                    "org.apache.spark.deploy.worker.Worker",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    "0",
+                    "--webui-port",
+                    "0",
+                    "--cores",
+                    str(cores),
+                    "--memory",
+                    "1g",
+                    "--work-dir",
+                    str(work_dir),
+                    "--properties-file",
+                    str(properties),
+                    self.master_url,
+                ],
+                log,
+                self.env(**{WORKER_NAME_VAR: f"worker-{index}", "SPARKDIST_FAKE_GPUS": str(gpus)}),
             )
             logs.append((log, self._daemons[-1]))
         for log, daemon in logs:
@@ -88,19 +119,26 @@ class StandaloneCluster:
 
     def _spawn(self, args: list[str], log: Path, env: dict[str, str]) -> None:
         with open(log, "wb") as out:
-            self._daemons.append(subprocess.Popen(
-                [str(spark_home() / "bin" / "spark-class"), *args],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,  # its own group: stop() signals the JVM and its shell
-            ))
+            self._daemons.append(
+                subprocess.Popen(
+                    [str(spark_home() / "bin" / "spark-class"), *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,  # its own group: stop() signals the JVM and its shell
+                )
+            )
 
     def processes(self) -> list[psutil.Process]:
         """Live processes that belong to this cluster (daemons, executors, ranks...)."""
         found = []
         for proc in psutil.process_iter(["pid"]):
             try:
-                if proc.status() != psutil.STATUS_ZOMBIE and \
-                        proc.environ().get(CLUSTER_MARK_VAR) == self.mark:
+                if (
+                    proc.status() != psutil.STATUS_ZOMBIE
+                    and proc.environ().get(CLUSTER_MARK_VAR) == self.mark
+                ):
                     found.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
@@ -127,8 +165,9 @@ class StandaloneCluster:
         return survivors
 
 
-def _wait_for(log: Path, pattern: re.Pattern[str], deadline: float,
-              daemon: subprocess.Popen[bytes]) -> re.Match[str]:
+def _wait_for(
+    log: Path, pattern: re.Pattern[str], deadline: float, daemon: subprocess.Popen[bytes]
+) -> re.Match[str]:
     while True:
         text = log.read_text(errors="replace") if log.exists() else ""
         found = pattern.search(text)

@@ -38,11 +38,21 @@ def sparkdist(
     *args: str, cwd: Path, timeout: float = 120, **env: str
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m sparkdist ARGS`` and return what it did."""
-    full_env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable,
-                **env}
+    full_env = {
+        **os.environ,
+        "SPARK_LOCAL_IP": "127.0.0.1",
+        "PYSPARK_PYTHON": sys.executable,
+        **env,
+    }
     return subprocess.run(
-        [sys.executable, "-m", "sparkdist", *args], cwd=cwd, env=full_env, capture_output=True,
-        text=True, timeout=timeout, stdin=subprocess.DEVNULL, check=False,
+        [sys.executable, "-m", "sparkdist", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
 
 
@@ -85,15 +95,18 @@ def test_module_runs_like_python_dash_m_from_the_current_directory(tmp_path):
 
 
 def test_deepspeed_config_reaches_every_rank(tmp_path):
-    (tmp_path / "show.py").write_text(textwrap.dedent("""
+    (tmp_path / "show.py").write_text(
+        textwrap.dedent("""
         import os, sys
         from sparkdist import runtime
         stage = runtime.deepspeed_config()["zero_optimization"]["stage"]
         print("stage", stage, "mode", os.environ["SPARKDIST_MODE"], "argv", sys.argv[1:3])
-    """))
+    """)
+    )
     config = REPO / "conf" / "deepspeed" / "zero2.json"
-    done = sparkdist("run", "-n", "1", "--deepspeed-config", str(config), "show.py", "--x",
-                     cwd=tmp_path)
+    done = sparkdist(
+        "run", "-n", "1", "--deepspeed-config", str(config), "show.py", "--x", cwd=tmp_path
+    )
     assert done.returncode == 0, done.stderr
     # pyspark's DeepspeedTorchDistributor appends these to a script's own arguments.
     assert "[rank 0] stage 2 mode deepspeed argv ['--x', '--deepspeed']" in done.stdout
@@ -101,8 +114,9 @@ def test_deepspeed_config_reaches_every_rank(tmp_path):
 
 def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, script):
     (tmp_path / "broken.json").write_text("{not json")
-    done = sparkdist("run", "-n", "2", "--deepspeed-config", "broken.json", "train.py",
-                     cwd=tmp_path)
+    done = sparkdist(
+        "run", "-n", "2", "--deepspeed-config", "broken.json", "train.py", cwd=tmp_path
+    )
     assert done.returncode == 2
     assert "broken.json" in done.stderr and "not valid JSON" in done.stderr
     assert "[rank" not in done.stdout
@@ -116,12 +130,27 @@ def test_bad_arguments_exit_2_before_any_rank_starts(tmp_path, script):
 @pytest.mark.slow
 def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_path, script):
     done = sparkdist(
-        "run", "-n", "2", "--master", "local-cluster[2,1,1024]", "--cpu",
-        "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
-        "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-        "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
-        "train.py", "--", "--seed", "7",
-        cwd=tmp_path, timeout=240, FAIL_AS="1:5",
+        "run",
+        "-n",
+        "2",
+        "--master",
+        "local-cluster[2,1,1024]",
+        "--cpu",
+        "--conf",
+        "spark.executor.memory=512m",
+        "--conf",
+        "spark.ui.enabled=false",
+        "--conf",
+        f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+        "--conf",
+        f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+        "train.py",
+        "--",
+        "--seed",
+        "7",
+        cwd=tmp_path,
+        timeout=240,
+        FAIL_AS="1:5",
     )
     assert done.returncode == 5, done.stderr
     assert "[rank 0] rank 0 of 2 args ['--seed', '7']" in done.stdout
@@ -142,7 +171,7 @@ def doctor_rows(table: str) -> dict[str, tuple[str, str]]:
     text_at = lines[rule].index(" -", status_at) + 1
     rows: dict[str, tuple[str, list[str]]] = {}
     name = ""
-    for line in lines[rule + 1:]:
+    for line in lines[rule + 1 :]:
         if not line.strip():
             break  # the summary follows the blank line
         if not line[0].isspace():
@@ -165,14 +194,17 @@ def test_doctor_exits_1_and_says_the_fix_when_java_is_missing(tmp_path):
     assert "not ready" in done.stdout
 
 
-
 def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     (tmp_path / "sleepy.py").write_text(
         "import time\nprint('started', flush=True)\ntime.sleep(120)\n"
     )
     driver = subprocess.Popen(
-        [sys.executable, "-m", "sparkdist", "run", "-n", "2", "sleepy.py"], cwd=tmp_path,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "sparkdist", "run", "-n", "2", "sleepy.py"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
     )
     try:
         assert driver.stdout is not None

@@ -50,13 +50,31 @@ def driver_env(**extra: str) -> dict[str, str]:
 def test_spark_submit_runs_the_example_job_on_local_cluster(tmp_path):
     log4j = REPO / "conf" / "log4j2.properties"
     done = subprocess.run(
-        [str(spark_home() / "bin" / "spark-submit"), "--master", "local-cluster[1,2,1024]",
-         "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
-         "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
-         "--driver-java-options", f"-Dlog4j2.configurationFile=file:{log4j} {FAST_JVM_OPTIONS}",
-         str(REPO / "examples" / "submit_job.py"), "--processes", "2", "--steps", "30"],
-        cwd=tmp_path, env=driver_env(), capture_output=True, text=True, timeout=300,
-        stdin=subprocess.DEVNULL, check=False,
+        [
+            str(spark_home() / "bin" / "spark-submit"),
+            "--master",
+            "local-cluster[1,2,1024]",
+            "--conf",
+            "spark.executor.memory=512m",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+            "--driver-java-options",
+            f"-Dlog4j2.configurationFile=file:{log4j} {FAST_JVM_OPTIONS}",
+            str(REPO / "examples" / "submit_job.py"),
+            "--processes",
+            "2",
+            "--steps",
+            "30",
+        ],
+        cwd=tmp_path,
+        env=driver_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     assert "[rank 0] rank 0/2" in done.stdout and "[rank 1] rank 1/2" in done.stdout
@@ -75,21 +93,47 @@ def test_standalone_cluster_gives_every_rank_its_own_worker_gpu(tmp_path):
     try:
         cluster.start(num_workers=2, cores=2, gpus=2, fake_gpu_script=FAKE_GPU_SCRIPT)
         done = subprocess.run(
-            [sys.executable, "-m", "sparkdist", "run", "-n", "4", "--master", cluster.master_url,
-             "--conf", "spark.executor.resource.gpu.amount=2",
-             "--conf", "spark.task.resource.gpu.amount=1",
-             "--conf", "spark.executor.cores=2", "--conf", "spark.executor.memory=512m",
-             "--conf", "spark.ui.enabled=false",
-             "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-             "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}", "placement.py"],
-            cwd=tmp_path, env=driver_env(), capture_output=True, text=True, timeout=300,
-            stdin=subprocess.DEVNULL, check=False,
+            [
+                sys.executable,
+                "-m",
+                "sparkdist",
+                "run",
+                "-n",
+                "4",
+                "--master",
+                cluster.master_url,
+                "--conf",
+                "spark.executor.resource.gpu.amount=2",
+                "--conf",
+                "spark.task.resource.gpu.amount=1",
+                "--conf",
+                "spark.executor.cores=2",
+                "--conf",
+                "spark.executor.memory=512m",
+                "--conf",
+                "spark.ui.enabled=false",
+                "--conf",
+                f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+                "--conf",
+                f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+                "placement.py",
+            ],
+            cwd=tmp_path,
+            env=driver_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            check=False,
         )
     finally:
         survivors = cluster.stop()
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
-    seen = [json.loads(line.split("PLACEMENT ", 1)[1])
-            for line in done.stdout.splitlines() if "PLACEMENT " in line]
+    seen = [
+        json.loads(line.split("PLACEMENT ", 1)[1])
+        for line in done.stdout.splitlines()
+        if "PLACEMENT " in line
+    ]
     assert sorted(int(s["RANK"]) for s in seen) == [0, 1, 2, 3]
     for s in seen:
         # One GPU per task, so one rank per barrier task: the task is the rank's "node".

@@ -41,8 +41,7 @@ def all_reduce_rank():
 
 
 def test_results_by_rank_and_live_output(spark, capfd):
-    result = Distributor(2, local_mode=False, use_gpu=False, spark=spark).run_all(
-        all_reduce_rank)
+    result = Distributor(2, local_mode=False, use_gpu=False, spark=spark).run_all(all_reduce_rank)
     assert result.values == [(0, 2.0), (1, 2.0)]
     out, _ = capfd.readouterr()
     assert "[rank 0] rank 0 reduced 2.0" in out and "[rank 1] rank 1 reduced 2.0" in out
@@ -50,10 +49,12 @@ def test_results_by_rank_and_live_output(spark, capfd):
 
 def test_script_target(spark, tmp_path, capfd):
     script = tmp_path / "connect_script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import os, sys
         print("script", sys.argv[1:], os.environ["RANK"])
-    """))
+    """)
+    )
     Distributor(2, local_mode=False, use_gpu=False, spark=spark).run(str(script), "--x", 1)
     out, _ = capfd.readouterr()
     assert "[rank 1] script ['--x', '1'] 1" in out
@@ -70,7 +71,8 @@ def fail_on_rank_one():
 def test_failing_rank_is_named_and_nothing_survives(spark):
     with pytest.raises(WorkerFailedError, match="ValueError: bad shard") as info:
         Distributor(2, local_mode=False, use_gpu=False, spark=spark, timeout_s=100).run(
-            fail_on_rank_one)
+            fail_on_rank_one
+        )
     assert info.value.root_cause.rank == 1
     assert not run_processes()
 
@@ -82,8 +84,11 @@ def rows_seen():
 
 
 def test_dataframe_input(spark):
-    values = Distributor(2, local_mode=False, use_gpu=False, spark=spark).run_all(
-        rows_seen, spark_dataframe=spark.range(1000)).values
+    values = (
+        Distributor(2, local_mode=False, use_gpu=False, spark=spark)
+        .run_all(rows_seen, spark_dataframe=spark.range(1000))
+        .values
+    )
     assert sum(v[0] for v in values) == 1000
     assert values[0][1] == values[1][1] == [v[0] for v in values]
 
@@ -103,13 +108,13 @@ def test_without_a_reachable_channel_ranks_rendezvous_through_spark(spark, monke
     """Executors that cannot reach this process: allGather rendezvous, output at the end,
     failures still named with their traceback."""
     monkeypatch.setenv("SPARKDIST_CONTROL_CHANNEL", "off")
-    result = Distributor(2, local_mode=False, use_gpu=False, spark=spark).run_all(
-        all_reduce_rank)
+    result = Distributor(2, local_mode=False, use_gpu=False, spark=spark).run_all(all_reduce_rank)
     assert result.values == [(0, 2.0), (1, 2.0)]
     out, _ = capfd.readouterr()
     assert out.index("[rank 0] rank 0 reduced") < out.index("[rank 1] rank 1 reduced")
     with pytest.raises(WorkerFailedError, match="ValueError: bad shard") as info:
         Distributor(2, local_mode=False, use_gpu=False, spark=spark, timeout_s=100).run(
-            fail_on_rank_one)
+            fail_on_rank_one
+        )
     assert info.value.root_cause.rank == 1
     assert 'raise ValueError("bad shard")' in info.value.root_cause.traceback

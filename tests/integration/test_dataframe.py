@@ -36,15 +36,20 @@ def equal_steps(policy):
     dataset = data.partition_dataset(["id"], equalize=policy)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=2)
     seen = torch.cat([batch for batch in loader])
-    return {"steps": len(loader), "rows": len(dataset), "own": dataset.own_rows,
-            "unique": len(set(seen.tolist()))}
+    return {
+        "steps": len(loader),
+        "rows": len(dataset),
+        "own": dataset.own_rows,
+        "unique": len(set(seen.tolist())),
+    }
 
 
 @pytest.mark.parametrize("policy", ["drop", "wrap", None])
 def test_uneven_partitions_still_give_equal_steps(spark_local, policy):
     # 1001 rows cannot split evenly over 2 ranks.
     result = Distributor(2, local_mode=False, use_gpu=False).run_all(
-        equal_steps, policy, spark_dataframe=spark_local.range(1001, numPartitions=3))
+        equal_steps, policy, spark_dataframe=spark_local.range(1001, numPartitions=3)
+    )
     owns = sorted(v["own"] for v in result.values)
     assert sum(owns) == 1001 and owns[0] < owns[1]
     steps = {v["steps"] for v in result.values}
@@ -67,11 +72,22 @@ def test_vector_and_array_columns_arrive_as_tensors(spark_local):
     import torch
     from pyspark.ml.linalg import Vectors
 
-    rows = [(Vectors.dense([1.0, 2.0, 3.0]), Vectors.sparse(4, [1, 3], [5.0, 7.0]),
-             [0.5, 1.5], [1, 2, 3], 1) for _ in range(40)]
+    rows = [
+        (
+            Vectors.dense([1.0, 2.0, 3.0]),
+            Vectors.sparse(4, [1, 3], [5.0, 7.0]),
+            [0.5, 1.5],
+            [1, 2, 3],
+            1,
+        )
+        for _ in range(40)
+    ]
     df = spark_local.createDataFrame(rows, ["dense", "sparse", "floats", "ints", "label"])
-    values = Distributor(2, local_mode=False, use_gpu=False).run_all(
-        tensors_of_row_zero, spark_dataframe=df).values
+    values = (
+        Distributor(2, local_mode=False, use_gpu=False)
+        .run_all(tensors_of_row_zero, spark_dataframe=df)
+        .values
+    )
     assert values[0] == [
         (torch.float32, [1.0, 2.0, 3.0]),
         (torch.float32, [0.0, 5.0, 0.0, 7.0]),
@@ -93,7 +109,8 @@ def fit_linear(epochs):
     model = DistributedDataParallel(torch.nn.Linear(3, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = torch.utils.data.DataLoader(
-        data.partition_dataset(["features", "target"]), batch_size=64, shuffle=True)
+        data.partition_dataset(["features", "target"]), batch_size=64, shuffle=True
+    )
     losses = []
     for _ in range(epochs):
         for features, target in loader:
@@ -108,19 +125,27 @@ def fit_linear(epochs):
 def test_model_learns_from_a_dataframe(spark_local):
     from pyspark.sql import functions as F
 
-    df = (spark_local.range(2000)
-          .withColumn("a", F.rand(1)).withColumn("b", F.rand(2)).withColumn("c", F.rand(3))
-          .select(F.array("a", "b", "c").alias("features"),
-                  (2 * F.col("a") - F.col("b") + 0.5 * F.col("c") + 1).alias("target")))
+    df = (
+        spark_local.range(2000)
+        .withColumn("a", F.rand(1))
+        .withColumn("b", F.rand(2))
+        .withColumn("c", F.rand(3))
+        .select(
+            F.array("a", "b", "c").alias("features"),
+            (2 * F.col("a") - F.col("b") + 0.5 * F.col("c") + 1).alias("target"),
+        )
+    )
     first, last = Distributor(2, local_mode=False, use_gpu=False).run(
-        fit_linear, 5, spark_dataframe=df)
+        fit_linear, 5, spark_dataframe=df
+    )
     assert last < 0.5 * first
 
 
 def test_empty_dataframe_is_refused_clearly(spark_local):
     with pytest.raises(ConfigError, match="the DataFrame has no rows"):
         Distributor(2, local_mode=False, use_gpu=False).run(
-            my_ids, spark_dataframe=spark_local.range(0))
+            my_ids, spark_dataframe=spark_local.range(0)
+        )
     assert not run_processes()
 
 
@@ -133,25 +158,27 @@ def test_a_column_that_cannot_become_a_tensor_is_named(spark_local):
         data.partition_dataset()
 
     with pytest.raises(WorkerFailedError, match="column 'name' has type string"):
-        Distributor(2, local_mode=False, use_gpu=False).run(
-            use_all_columns, spark_dataframe=df)
+        Distributor(2, local_mode=False, use_gpu=False).run(use_all_columns, spark_dataframe=df)
 
 
 def test_a_rank_without_rows_is_refused_before_training(spark_local):
     with pytest.raises(ConfigError, match=r"got no rows of the DataFrame \(rows per rank"):
         Distributor(2, local_mode=False, use_gpu=False).run(
-            my_ids, spark_dataframe=spark_local.range(1))
+            my_ids, spark_dataframe=spark_local.range(1)
+        )
 
 
 def test_local_mode_with_a_dataframe_explains_what_to_do(spark_local):
     with pytest.raises(ConfigError, match="pass local_mode=False"):
         Distributor(2, local_mode=True, use_gpu=False).run(
-            my_ids, spark_dataframe=spark_local.range(10))
+            my_ids, spark_dataframe=spark_local.range(10)
+        )
 
 
 def test_pysparks_private_train_on_dataframe_works(spark_local):
     from sparkdist import TorchDistributor
 
     value = TorchDistributor(2, local_mode=False, use_gpu=False)._train_on_dataframe(
-        my_ids, spark_local.range(100))
+        my_ids, spark_local.range(100)
+    )
     assert len(value["ids"]) == value["counts"][0]

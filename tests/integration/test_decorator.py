@@ -76,8 +76,15 @@ def test_results_are_ordered_by_rank_and_runtime_helpers_answer_inside(gpus, cap
     caplog.set_level(logging.WARNING, logger="sparkdist")
     values = distributed(gpus=gpus)(where_am_i).distributed("x")
     assert values == [
-        {"tag": "x", "rank": r, "local_rank": r, "world_size": gpus, "local_world_size": gpus,
-         "node_rank": 0, "main": r == 0}
+        {
+            "tag": "x",
+            "rank": r,
+            "local_rank": r,
+            "world_size": gpus,
+            "local_world_size": gpus,
+            "node_rank": 0,
+            "main": r == 0,
+        }
         for r in range(gpus)
     ]
     # No GPU here and no gpu_type: CPU with gloo, and exactly one line says so.
@@ -90,11 +97,17 @@ def test_results_are_ordered_by_rank_and_runtime_helpers_answer_inside(gpus, cap
 
 
 def test_runtime_helpers_outside_a_rank_describe_a_world_of_one(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK",
-                 "GROUP_RANK"):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
-    assert where_am_i("out") == {"tag": "out", "rank": 0, "local_rank": 0, "world_size": 1,
-                                 "local_world_size": 1, "node_rank": 0, "main": True}
+    assert where_am_i("out") == {
+        "tag": "out",
+        "rank": 0,
+        "local_rank": 0,
+        "world_size": 1,
+        "local_world_size": 1,
+        "node_rank": 0,
+        "main": True,
+    }
 
 
 def test_same_function_through_distributor_and_decorator_gives_identical_results(caplog):
@@ -127,8 +140,10 @@ def test_failures_are_the_same_worker_failed_error_and_nothing_survives():
 @pytest.mark.parametrize("gpu_type", ["H100", "h100", GPUType.H100])
 def test_gpu_type_on_a_cpu_machine_fails_before_launch_naming_both(gpu_type, caplog):
     fn = distributed(gpus=2, gpu_type=gpu_type)(where_am_i)
-    with pytest.raises(ClusterError, match="gpu_type='H100' was requested but no NVIDIA GPU "
-                                           "is visible on the driver"):
+    with pytest.raises(
+        ClusterError,
+        match="gpu_type='H100' was requested but no NVIDIA GPU is visible on the driver",
+    ):
         fn.distributed("never")
     assert not run_processes()
     assert not cpu_warnings(caplog)
@@ -151,8 +166,9 @@ def fake_a10g(tmp_path, monkeypatch):
 
 def test_gpu_type_mismatch_names_the_requested_and_the_found_model(fake_a10g):
     fn = distributed(gpus=1, gpu_type=GPUType.H100)(where_am_i)
-    with pytest.raises(ClusterError, match="gpu_type='H100' was requested but the driver has "
-                                           "NVIDIA A10G"):
+    with pytest.raises(
+        ClusterError, match="gpu_type='H100' was requested but the driver has NVIDIA A10G"
+    ):
         fn.distributed("never")
     assert not run_processes()
 
@@ -188,8 +204,7 @@ def sleep_after_marking(marker_dir):
 
 
 def test_handle_times_out_without_stopping_then_cancel_leaves_no_process(tmp_path):
-    run = distributed(gpus=2, use_gpu=False)(sleep_after_marking).distributed_async(
-        str(tmp_path))
+    run = distributed(gpus=2, use_gpu=False)(sleep_after_marking).distributed_async(str(tmp_path))
     deadline = time.monotonic() + 60
     while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)  # polling the ranks' handshake files, with a deadline
@@ -215,8 +230,13 @@ def _fresh_python(code, data, cwd, **env_vars):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(env_vars)
     done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], input=data, capture_output=True,
-        cwd=cwd, env=env, timeout=120, check=False,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        input=data,
+        capture_output=True,
+        cwd=cwd,
+        env=env,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 0, done.stderr.decode()
     return done.stdout.decode()
@@ -232,14 +252,18 @@ def test_local_function_round_trips_by_value_and_still_launches(tmp_path):
 
     data = cloudpickle.dumps(shipped)
     # tmp_path as the working directory: this test module cannot be imported there.
-    out = _fresh_python("""
+    out = _fresh_python(
+        """
         import sys, cloudpickle
         fn = cloudpickle.loads(sys.stdin.buffer.read())
         assert "tests" not in sys.modules
         print(fn.__name__, fn.__doc__, fn.gpus, fn.gpu_type, fn.remote, fn.config.timeout_s)
         print("plain", fn(7))
         print("distributed", fn.distributed(8))
-    """, data, tmp_path)
+    """,
+        data,
+        tmp_path,
+    )
     assert "shipped Shipped by value. 2 None False 60" in out
     assert "plain (0, 7)" in out  # a plain call: rank 0 of a world of one
     assert "distributed [(0, 8), (1, 8)]" in out
@@ -248,12 +272,16 @@ def test_local_function_round_trips_by_value_and_still_launches(tmp_path):
 def test_module_level_function_round_trips_by_name_with_plain_pickle(tmp_path):
     data = pickle.dumps(ddp_weights)
     assert pickle.loads(data) is ddp_weights
-    out = _fresh_python("""
+    out = _fresh_python(
+        """
         import sys, pickle
         fn = pickle.loads(sys.stdin.buffer.read())
         print(type(fn).__name__, fn.__module__, fn.__qualname__, fn.gpus)
         print(fn.__doc__)
-    """, data, REPO, TMPDIR=str(tmp_path))  # importing tests.conftest makes a temp dir
+    """,
+        data,
+        REPO,
+        TMPDIR=str(tmp_path),
+    )  # importing tests.conftest makes a temp dir
     assert "DistributedFunction tests.integration.test_decorator ddp_weights 2" in out
     assert "A few deterministic DDP steps" in out
-

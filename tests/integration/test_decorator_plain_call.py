@@ -16,8 +16,15 @@ import pytest
 
 from sparkdist import distributed, runtime
 
-WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-              "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE")
+WORLD_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @distributed(gpus=2, use_gpu=False)
@@ -34,8 +41,12 @@ def all_reduce_one(value):
         "sum": tensor.item(),
         "rank": dist.get_rank(),
         "world_size": dist.get_world_size(),
-        "runtime": (runtime.get_global_rank(), runtime.get_world_size(),
-                    runtime.get_local_rank(), runtime.is_main_process()),
+        "runtime": (
+            runtime.get_global_rank(),
+            runtime.get_world_size(),
+            runtime.get_local_rank(),
+            runtime.is_main_process(),
+        ),
         "port": os.environ["MASTER_PORT"],
     }
 
@@ -73,8 +84,13 @@ def test_plain_call_runs_a_process_group_of_one_and_puts_everything_back(outside
     first = all_reduce_one(3)
     second = all_reduce_one(4)  # only possible because the first call's group was closed
 
-    assert first == {"sum": 3.0, "rank": 0, "world_size": 1, "runtime": (0, 1, 0, True),
-                     "port": "0"}
+    assert first == {
+        "sum": 3.0,
+        "rank": 0,
+        "world_size": 1,
+        "runtime": (0, 1, 0, True),
+        "port": "0",
+    }
     assert second["sum"] == 4.0
     assert world_vars() == before
     assert not group_open()
@@ -141,7 +157,13 @@ def test_a_plain_call_that_needs_no_torch_does_not_import_it(tmp_path):
 
         print(add(2, 3), "torch" in sys.modules)
     """)
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["5", "False"]

@@ -55,10 +55,25 @@ def train_with_config(tmp_path, config: Path, extensions: Path | None) -> str:
     if extensions is not None:
         env["TORCH_EXTENSIONS_DIR"] = str(extensions)
     done = subprocess.run(
-        [sys.executable, "-m", "sparkdist", "run", "-n", "2", "--cpu",
-         "--deepspeed-config", str(config), "train.py"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
-        stdin=subprocess.DEVNULL, check=False,
+        [
+            sys.executable,
+            "-m",
+            "sparkdist",
+            "run",
+            "-n",
+            "2",
+            "--cpu",
+            "--deepspeed-config",
+            str(config),
+            "train.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        stdin=subprocess.DEVNULL,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert not run_processes()
@@ -67,8 +82,9 @@ def train_with_config(tmp_path, config: Path, extensions: Path | None) -> str:
 
 # zero3 as shipped also trains in test_examples_modes (the ZeRO example, nothing compiled):
 # here it is slow, not repeated in the default run.
-@pytest.mark.parametrize("name", ["zero2", pytest.param("zero3", marks=pytest.mark.slow),
-                                  "zero3_offload"])
+@pytest.mark.parametrize(
+    "name", ["zero2", pytest.param("zero3", marks=pytest.mark.slow), "zero3_offload"]
+)
 def test_config_trains_two_ranks_on_cpu_without_compiling_anything(tmp_path, name):
     config = REPO / "conf" / "deepspeed" / f"{name}.json"
     if name == "zero3_offload":

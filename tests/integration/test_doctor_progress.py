@@ -14,8 +14,17 @@ from tests.conftest import REPO
 from tests.integration.standalone_cluster import FAST_JVM_OPTIONS
 from tests.integration.test_cli import doctor_rows
 
-CHECKS = ("python", "java", "pyspark", "spark session", "torch", "gpus", "spark gpu conf",
-          "deepspeed", "mlflow")
+CHECKS = (
+    "python",
+    "java",
+    "pyspark",
+    "spark session",
+    "torch",
+    "gpus",
+    "spark gpu conf",
+    "deepspeed",
+    "mlflow",
+)
 
 
 def progress_of(stderr: str) -> list[str]:
@@ -37,12 +46,26 @@ def test_doctor_shows_each_check_while_it_runs(tmp_path):
     (tmp_path / "home").mkdir()
     (tmp_path / "conf").mkdir()
     doctor = subprocess.Popen(
-        [sys.executable, "-m", "sparkdist", "doctor", "--properties-file",
-         str(REPO / "conf" / "spark-defaults.conf")],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
-        text=True, env={**os.environ, "JDK_JAVA_OPTIONS": FAST_JVM_OPTIONS,
-                        # A fresh machine: an empty home, no Spark conf dir.
-                        "HOME": str(tmp_path / "home"), "SPARK_CONF_DIR": str(tmp_path / "conf")},
+        [
+            sys.executable,
+            "-m",
+            "sparkdist",
+            "doctor",
+            "--properties-file",
+            str(REPO / "conf" / "spark-defaults.conf"),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env={
+            **os.environ,
+            "JDK_JAVA_OPTIONS": FAST_JVM_OPTIONS,
+            # A fresh machine: an empty home, no Spark conf dir.
+            "HOME": str(tmp_path / "home"),
+            "SPARK_CONF_DIR": str(tmp_path / "conf"),
+        },
     )
     try:
         assert doctor.stderr is not None and doctor.stdout is not None
@@ -74,8 +97,12 @@ def test_doctor_shows_each_check_while_it_runs(tmp_path):
 def test_doctor_without_java_names_the_problems_last(tmp_path):
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "sparkdist", "doctor"], cwd=tmp_path, capture_output=True,
-        text=True, timeout=180, stdin=subprocess.DEVNULL,
+        [sys.executable, "-m", "sparkdist", "doctor"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
         env={**os.environ, "JAVA_HOME": str(tmp_path / "no-jdk")},
     )
     assert done.returncode == 1, done.stdout + done.stderr
@@ -85,7 +112,8 @@ def test_doctor_without_java_names_the_problems_last(tmp_path):
     assert "doctor: spark session: PROBLEM, not tried: needs pyspark and Java" in lines
     last = done.stdout.rstrip("\n").splitlines()[-1]
     assert last.startswith("doctor: not ready: ") and last.endswith(
-        "(java, spark session); fix the PROBLEM rows above")
+        "(java, spark session); fix the PROBLEM rows above"
+    )
     assert time.monotonic() - started < 120  # no JVM was waited for
 
 
@@ -97,15 +125,20 @@ def assert_table_reports_no_gpu_and_passes_the_rest(out: str) -> None:
     rows = doctor_rows(out)
     for name in ("python", "java", "pyspark", "torch"):
         assert rows[name][0] == "OK", rows[name]
-    assert rows["spark session"][0] == "OK" and "local[1] ran a Python task" in rows[
-        "spark session"][1]
+    assert (
+        rows["spark session"][0] == "OK"
+        and "local[1] ran a Python task" in rows["spark session"][1]
+    )
     assert rows["gpus"][0] == "NOTE" and "no GPU visible" in rows["gpus"][1]
     status, text = rows["spark gpu conf"]
-    assert text.startswith(f"{properties}: 8 GPU(s) per executor, 1 per task "
-                           "(1 rank(s) per barrier task)"), text
+    assert text.startswith(
+        f"{properties}: 8 GPU(s) per executor, 1 per task (1 rank(s) per barrier task)"
+    ), text
     script = "/opt/sparkdist/getGpusResources.sh"
     if os.access(script, os.X_OK):
         assert status == "OK", text
     else:
-        assert status == "NOTE" and f"fix: the discovery script {script} is not an executable " \
-            "file here" in text, text
+        assert (
+            status == "NOTE"
+            and f"fix: the discovery script {script} is not an executable file here" in text
+        ), text

@@ -22,7 +22,9 @@ def test_mlp_example_gives_the_same_loss_through_both_sparkdist_launchers(monkey
     timings = example.main(["--skip-pyspark", "--epochs", "1", "--samples", "256"])
 
     assert [name for name, _, _ in timings] == [
-        "sparkdist Distributor(...).run", "sparkdist @distributed + .distributed"]
+        "sparkdist Distributor(...).run",
+        "sparkdist @distributed + .distributed",
+    ]
     (_, by_distributor, _), (_, by_decorator, _) = timings
     assert by_distributor == by_decorator
     assert by_distributor["world_size"] == 2 and by_distributor["rank"] == 0

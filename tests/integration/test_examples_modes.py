@@ -23,19 +23,31 @@ RUN_TIMEOUT_S = 180
 
 FSDP_RANK_LINE = re.compile(
     r"^rank (\d+): cpu \((\w+)\), holds ([\d,]+) of ([\d,]+) parameters, "
-    r"loss ([\d.]+) -> ([\d.]+)$", re.MULTILINE)
+    r"loss ([\d.]+) -> ([\d.]+)$",
+    re.MULTILINE,
+)
 DEEPSPEED_RANK_LINE = re.compile(
     r"^rank (\d+): cpu \((\w+)\), ZeRO stage (\d), holds ([\d,]+) of ([\d,]+) parameters, "
-    r"loss ([\d.]+) -> ([\d.]+)$", re.MULTILINE)
+    r"loss ([\d.]+) -> ([\d.]+)$",
+    re.MULTILINE,
+)
 
 
 def run_example(name: str, *args: str, **env_vars: str) -> str:
     """Run an example in a fresh interpreter, as a user would; return its stdout."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p), **env_vars}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+        **env_vars,
+    }
     done = subprocess.run(
         [sys.executable, str(EXAMPLES / name), *args],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=REPO, check=False,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+        cwd=REPO,
+        check=False,
     )
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
@@ -71,8 +83,16 @@ def test_deepspeed_zero_example_trains_with_the_shipped_config(config_name, tmp_
     zero = json.loads(config_path.read_text())["zero_optimization"]
     extensions = tmp_path / "torch_extensions"  # empty, as on a fresh machine
 
-    out = run_example("deepspeed_zero.py", "--tiny", "--processes", "2", "--cpu",
-                      "--config", str(config_path), TORCH_EXTENSIONS_DIR=str(extensions))
+    out = run_example(
+        "deepspeed_zero.py",
+        "--tiny",
+        "--processes",
+        "2",
+        "--cpu",
+        "--config",
+        str(config_path),
+        TORCH_EXTENSIONS_DIR=str(extensions),
+    )
 
     ranks = DEEPSPEED_RANK_LINE.findall(out)
     assert [int(r[0]) for r in ranks] == [0, 1], out

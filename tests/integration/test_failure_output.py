@@ -55,7 +55,8 @@ def test_a_full_traceback_on_request(monkeypatch):
 
 def test_an_uncaught_failure_prints_the_rank_line_and_the_users_frames(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         from sparkdist import Distributor, runtime
 
         def train():
@@ -64,10 +65,17 @@ def test_an_uncaught_failure_prints_the_rank_line_and_the_users_frames(tmp_path)
             return "ok"
 
         Distributor(2, use_gpu=False, timeout_s=100).run(train)
-    """))
+    """)
+    )
     env = {k: v for k, v in os.environ.items() if k != FULL_TRACEBACK_VAR}
-    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=300, env=env)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 1
     lines = done.stderr.splitlines()
     [headline] = [i for i, line in enumerate(lines) if "WorkerFailedError" in line]

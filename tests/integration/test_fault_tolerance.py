@@ -59,16 +59,22 @@ def deterministic_training(kill_at_step):
         optimizer.step()
         if (step + 1) % 10 == 0:
             runtime.save_checkpoint(
-                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step + 1)
-    return {"restart_count": runtime.restart_count(), "resumed_from": start,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, step + 1
+            )
+    return {
+        "restart_count": runtime.restart_count(),
+        "resumed_from": start,
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def test_restart_resumes_from_checkpoint_bit_for_bit(tmp_path):
     uninterrupted = Distributor(2, use_gpu=False, checkpoint_dir=tmp_path / "a").run(
-        deterministic_training, None)
+        deterministic_training, None
+    )
     resumed = Distributor(2, use_gpu=False, max_restarts=1, checkpoint_dir=tmp_path / "b").run(
-        deterministic_training, 30)
+        deterministic_training, 30
+    )
     assert uninterrupted["restart_count"] == 0 and uninterrupted["resumed_from"] == 0
     assert resumed["restart_count"] == 1 and resumed["resumed_from"] == 30
     for key, value in uninterrupted["state"].items():
@@ -91,7 +97,9 @@ def test_exhausted_restarts_list_every_attempts_root_cause():
     error = info.value
     assert len(error.attempts) == 2
     assert [a.message for a in error.attempts] == [
-        "bad shard on attempt 0", "bad shard on attempt 1"]
+        "bad shard on attempt 0",
+        "bad shard on attempt 1",
+    ]
     assert error.root_cause.message == "bad shard on attempt 2"
     assert "attempt 0 failed first at rank 1" in str(error)
     assert not run_processes()
@@ -115,7 +123,8 @@ def test_rank_that_never_joins_is_named_by_the_start_deadline():
     with pytest.raises(RendezvousError, match=r"rank\(s\) 1 did not join"):
         # Rank 0 must join in time even on a loaded machine with a cold worker pool.
         Distributor(2, use_gpu=False, start_timeout_s=12).run(
-            lambda arg: arg, BlocksWhenUnpickledOnRankOne())
+            lambda arg: arg, BlocksWhenUnpickledOnRankOne()
+        )
     assert time.monotonic() - started < 60  # the start deadline, not the run's timeout
     assert not run_processes()
 
@@ -141,7 +150,8 @@ def test_hung_rank_is_named_with_its_stack_and_the_run_stops():
         # Long enough that rank 0, waiting in init_process_group for a slow-starting rank 1 on
         # a loaded machine, is never taken for the hung one.
         Distributor(2, use_gpu=False, heartbeat_timeout_s=6, timeout_s=100).run(
-            hangs_while_peer_waits)
+            hangs_while_peer_waits
+        )
     root = info.value.root_cause
     assert root.rank == 1
     assert "hung: no heartbeat or report for" in root.message
@@ -242,8 +252,9 @@ def test_run_directory_is_private():
     def run_dir_mode():
         import stat
 
-        pattern = os.path.join(tempfile.gettempdir(),
-                               f"sparkdist-{os.environ['TORCHELASTIC_RUN_ID']}-*")
+        pattern = os.path.join(
+            tempfile.gettempdir(), f"sparkdist-{os.environ['TORCHELASTIC_RUN_ID']}-*"
+        )
         return [stat.S_IMODE(os.stat(path).st_mode) for path in glob.glob(pattern)]
 
     assert Distributor(1, use_gpu=False).run(run_dir_mode) == [0o700]

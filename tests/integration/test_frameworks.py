@@ -81,8 +81,12 @@ def test_lightning_two_tower_uses_lightnings_ddp_on_sparkdists_ranks(monkeypatch
     out = capfd.readouterr().out
     assert re.search(r"^\[rank 0\] epoch 0: loss [\d.]+, recall@10", out, re.MULTILINE)
     assert not re.search(r"^\[rank 1\] epoch", out, re.MULTILINE)
-    assert re.search(r"^rank 1: Lightning saw world size 2 \(TorchElasticEnvironment, 0 "
-                     r"processes spawned by Lightning\)", out, re.MULTILINE)
+    assert re.search(
+        r"^rank 1: Lightning saw world size 2 \(TorchElasticEnvironment, 0 "
+        r"processes spawned by Lightning\)",
+        out,
+        re.MULTILINE,
+    )
 
 
 def check_sft_results(results: list[dict[str, Any]], *, steps: int) -> None:
@@ -114,8 +118,11 @@ def test_hf_sft_trainer_sees_sparkdists_world_under_ddp(monkeypatch, capfd):
     out = capfd.readouterr().out
     assert re.search(r"^\[rank 0\] \{'loss': ", out, re.MULTILINE)  # the Trainer logs on rank 0
     assert not re.search(r"^\[rank 1\] \{'loss': ", out, re.MULTILINE)
-    assert re.search(r"^rank 1: SFTTrainer saw world size 2 \(MULTI_CPU, DistributedDataParallel\)",
-                     out, re.MULTILINE)
+    assert re.search(
+        r"^rank 1: SFTTrainer saw world size 2 \(MULTI_CPU, DistributedDataParallel\)",
+        out,
+        re.MULTILINE,
+    )
     assert "{'mode': 'ddp'} on 2 ranks" in out
 
 
@@ -127,8 +134,17 @@ def sft_under_deepspeed(monkeypatch: pytest.MonkeyPatch, config_name: str) -> No
     config = json.loads(config_path.read_text())
     example = load_example("hf_trainer_sft", monkeypatch)
 
-    results = example.main(["--tiny", "--cpu", "--processes", "2", "--deepspeed",
-                            "--deepspeed-config", str(config_path)])
+    results = example.main(
+        [
+            "--tiny",
+            "--cpu",
+            "--processes",
+            "2",
+            "--deepspeed",
+            "--deepspeed-config",
+            str(config_path),
+        ]
+    )
 
     check_sft_results(results, steps=example.TINY_PRESET.steps)
     for result in results:
@@ -155,17 +171,34 @@ def test_hf_sft_trainer_trains_under_deepspeed_zero3(monkeypatch):
 @pytest.mark.slow  # its own JVM, started by the example as a user runs it
 def test_lightning_two_tower_runs_as_spark_barrier_tasks():
     pytest.importorskip("lightning")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
+    }
     done = subprocess.run(
-        [sys.executable, str(EXAMPLES / "lightning_two_tower.py"), "--tiny", "--cpu",
-         "--processes", "2", "--remote"],
-        capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=REPO, check=False,
+        [
+            sys.executable,
+            str(EXAMPLES / "lightning_two_tower.py"),
+            "--tiny",
+            "--cpu",
+            "--processes",
+            "2",
+            "--remote",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        env=env,
+        cwd=REPO,
+        check=False,
     )
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    ranks = re.findall(r"^rank (\d): Lightning saw world size 2 \(TorchElasticEnvironment, 0 "
-                       r"processes spawned by Lightning\), trained on ([\d,]+) of ([\d,]+) ",
-                       done.stdout, re.MULTILINE)
+    ranks = re.findall(
+        r"^rank (\d): Lightning saw world size 2 \(TorchElasticEnvironment, 0 "
+        r"processes spawned by Lightning\), trained on ([\d,]+) of ([\d,]+) ",
+        done.stdout,
+        re.MULTILINE,
+    )
     assert [r[0] for r in ranks] == ["0", "1"], done.stdout
     assert all(int(s.replace(",", "")) * 2 == int(t.replace(",", "")) for _, s, t in ranks)
 

@@ -31,15 +31,19 @@ GPUS = _cuda_devices()
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS == 0, reason="needs a CUDA device: torch.cuda.is_available() is "
-                                         "False here"),
+    pytest.mark.skipif(
+        GPUS == 0, reason="needs a CUDA device: torch.cuda.is_available() is False here"
+    ),
 ]
 
 #: One rank per GPU: world sizes 1 and 2, the latter only where there are 2 GPUs.
 WORLD_SIZES = [
     pytest.param(1, id="1gpu"),
-    pytest.param(2, id="2gpus", marks=pytest.mark.skipif(
-        GPUS < 2, reason=f"needs 2 CUDA devices, this machine has {GPUS}")),
+    pytest.param(
+        2,
+        id="2gpus",
+        marks=pytest.mark.skipif(GPUS < 2, reason=f"needs 2 CUDA devices, this machine has {GPUS}"),
+    ),
 ]
 
 
@@ -96,8 +100,9 @@ def test_nccl_all_reduce_with_each_rank_bound_to_its_gpu(world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_fsdp2_example_trains_in_bf16_on_gpus(world_size, monkeypatch):
     example = load_example("fsdp_transformer", monkeypatch)
-    config = example.ModelConfig(layers=2, dim=128, heads=4, seq=128, vocab=512, steps=40,
-                                 batch=16, lr=3e-3)
+    config = example.ModelConfig(
+        layers=2, dim=128, heads=4, seq=128, vocab=512, steps=40, batch=16, lr=3e-3
+    )
 
     result = Distributor(world_size, use_gpu=True, mode="fsdp").run_all(example.train, config)
 
@@ -119,8 +124,9 @@ def test_deepspeed_zero2_example_trains_in_bf16_on_gpus(world_size, monkeypatch)
     config["optimizer"]["params"]["torch_adam"] = True
     model = example.ModelConfig(layers=2, dim=128, heads=4, seq=128, vocab=512, steps=40)
 
-    result = DeepspeedTorchDistributor(numGpus=world_size, useGpu=True,
-                                       deepspeedConfig=config).run_all(example.train, model)
+    result = DeepspeedTorchDistributor(
+        numGpus=world_size, useGpu=True, deepspeedConfig=config
+    ).run_all(example.train, model)
 
     assert result.mode_settings == {"mode": "deepspeed", "zero_stage": 2, "offload": False}
     for rank, value in enumerate(result.values):

@@ -19,9 +19,19 @@ pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 def placement_seen():
     import socket
 
-    return {k: os.environ[k] for k in (
-        "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
-        "CUDA_VISIBLE_DEVICES", "MASTER_ADDR", "SPARKDIST_USE_GPU")} | {"pid_host": socket.gethostname()}
+    return {
+        k: os.environ[k]
+        for k in (
+            "RANK",
+            "LOCAL_RANK",
+            "NODE_RANK",
+            "LOCAL_WORLD_SIZE",
+            "WORLD_SIZE",
+            "CUDA_VISIBLE_DEVICES",
+            "MASTER_ADDR",
+            "SPARKDIST_USE_GPU",
+        )
+    } | {"pid_host": socket.gethostname()}
 
 
 def all_reduce():
@@ -47,8 +57,10 @@ def test_too_few_slots_once_every_executor_registered_fails_at_once(spark_cluste
         Distributor(3, local_mode=False, use_gpu=False, start_timeout_s=600).run(lambda: 1)
     assert time.monotonic() - started < 60
     message = str(info.value)
-    assert "needs 3 task slots at once but the cluster offers 2: 2 of 2 executors registered" \
+    assert (
+        "needs 3 task slots at once but the cluster offers 2: 2 of 2 executors registered"
         in message
+    )
     assert "master 'local-cluster[2,1,1024]'" in message
     assert "spark.executor.resource.gpu.amount=2, spark.task.resource.gpu.amount=1" in message
     assert not run_processes()
@@ -97,15 +109,19 @@ def test_killed_executor_jvm_fails_the_run_and_leaves_nothing(spark_cluster):
 
         time.sleep(120)
 
-    run = Launch(LaunchConfig(num_processes=2, local_mode=False, use_gpu=False, timeout_s=100),
-                 make_job(sleepy, (), {}), session=spark_cluster)
+    run = Launch(
+        LaunchConfig(num_processes=2, local_mode=False, use_gpu=False, timeout_s=100),
+        make_job(sleepy, (), {}),
+        session=spark_cluster,
+    )
     deadline = time.monotonic() + 60
     while len(run._attempt.monitor.state.joined) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     executors = [
-        p for p in psutil.process_iter(["cmdline"])
-        if "org.apache.spark.executor.CoarseGrainedExecutorBackend" in " ".join(
-            p.info["cmdline"] or [])
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "org.apache.spark.executor.CoarseGrainedExecutorBackend"
+        in " ".join(p.info["cmdline"] or [])
         and p.environ().get(SESSION_MARKER) == os.environ[SESSION_MARKER]
     ]
     assert executors, "no executor JVM of this session found"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import textwrap
 import threading
 
@@ -28,13 +27,22 @@ def all_reduce_rank_sum(scale):
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    return {"rank": dist.get_rank(), "total": total.item() * scale,
-            "world": dist.get_world_size()}
+    return {"rank": dist.get_rank(), "total": total.item() * scale, "world": dist.get_world_size()}
 
 
 def whoami(tag=""):
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-            "MASTER_PORT", "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+    keys = (
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "CUDA_VISIBLE_DEVICES",
+        "OMP_NUM_THREADS",
+    )
     return {"tag": tag, **{k: os.environ.get(k) for k in keys}}
 
 
@@ -65,8 +73,9 @@ def test_torch_distributor_drop_in_returns_rank_zero_even_when_rank_zero_finishe
         time.sleep(0.5 * rank)  # pyspark would return the last writer: rank 1
         return rank
 
-    assert TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(
-        rank_zero_first) == 0
+    assert (
+        TorchDistributor(num_processes=2, local_mode=True, use_gpu=False).run(rank_zero_first) == 0
+    )
 
 
 def test_use_gpu_true_without_gpus_fails_before_launch():

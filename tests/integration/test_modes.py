@@ -22,9 +22,7 @@ def make_model():
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
 def rank_batch(rank):
@@ -158,8 +156,12 @@ def deepspeed_train(steps):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"first": losses[0], "last": losses[-1], "stage": engine.zero_optimization_stage(),
-            "config_path": runtime.deepspeed_config_path()}
+    return {
+        "first": losses[0],
+        "last": losses[-1],
+        "stage": engine.zero_optimization_stage(),
+        "config_path": runtime.deepspeed_config_path(),
+    }
 
 
 def zero_config(stage):
@@ -176,8 +178,9 @@ def zero_config(stage):
 # Stage 2 here (a dict config); stage 3 and offload train in test_deepspeed_configs.py.
 @pytest.mark.parametrize("stage", [2])
 def test_deepspeed_zero_loss_falls_on_every_rank(stage):
-    result = Distributor(2, use_gpu=False, mode="deepspeed",
-                         deepspeed_config=zero_config(stage)).run_all(deepspeed_train, 20)
+    result = Distributor(
+        2, use_gpu=False, mode="deepspeed", deepspeed_config=zero_config(stage)
+    ).run_all(deepspeed_train, 20)
     assert len(result.values) == 2
     for value in result.values:
         assert value["stage"] == stage
@@ -192,14 +195,16 @@ def test_deepspeed_torch_distributor_function_with_config_file(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(zero_config(2)))
     value = DeepspeedTorchDistributor(numGpus=2, useGpu=False, deepspeedConfig=str(path)).run(
-        deepspeed_train, 10)
+        deepspeed_train, 10
+    )
     assert value["stage"] == 2 and value["last"] < value["first"]
 
 
 @pytest.mark.deepspeed
 def test_deepspeed_torch_distributor_script_gets_pysparks_arguments(tmp_path, capfd):
     script = tmp_path / "ds_script.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import argparse, json, os, sys
         parser = argparse.ArgumentParser()
         parser.add_argument("--epochs", type=int)
@@ -212,9 +217,11 @@ def test_deepspeed_torch_distributor_script_gets_pysparks_arguments(tmp_path, ca
               "accelerator", os.environ.get("DS_ACCELERATOR"))
         if os.environ["RANK"] == "1" and args.epochs == 99:
             sys.exit(4)
-    """))
-    distributor = DeepspeedTorchDistributor(numGpus=1, nnodes=2, useGpu=False,
-                                            deepspeedConfig=zero_config(3))
+    """)
+    )
+    distributor = DeepspeedTorchDistributor(
+        numGpus=1, nnodes=2, useGpu=False, deepspeedConfig=zero_config(3)
+    )
     assert distributor.num_processes == 2
     assert distributor.run(str(script), "--epochs", "2") is None
     out, _ = capfd.readouterr()

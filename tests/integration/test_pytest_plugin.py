@@ -120,8 +120,10 @@ def tagged_processes(tag: str, wait_s: float) -> list[psutil.Process]:
 
 
 def durations(junit_xml: str) -> dict[str, float]:
-    return {case.get("name", ""): float(case.get("time", "nan"))
-            for case in ET.parse(junit_xml).getroot().iter("testcase")}
+    return {
+        case.get("name", ""): float(case.get("time", "nan"))
+        for case in ET.parse(junit_xml).getroot().iter("testcase")
+    }
 
 
 def test_local_mode_runs_ranks_fails_hung_ones_and_leaves_nothing(
@@ -129,19 +131,25 @@ def test_local_mode_runs_ranks_fails_hung_ones_and_leaves_nothing(
 ) -> None:
     pytester.makepyfile(test_user=USER_TESTS)
 
-    result = pytester.runpytest_subprocess("-rA", "--junitxml=out.xml", "-p", "no:cacheprovider",
-                                           timeout=120)
+    result = pytester.runpytest_subprocess(
+        "-rA", "--junitxml=out.xml", "-p", "no:cacheprovider", timeout=120
+    )
 
     result.assert_outcomes(passed=3, failed=1, errors=1)
-    result.stdout.fnmatch_lines([
-        "*test_a_hung_rank_fails_the_test*",
-        f"*RunTimeoutError: the run exceeded timeout_s={HANG_TIMEOUT_S}; every rank was stopped*",
-    ])
-    result.stdout.fnmatch_lines([
-        "*ERROR at teardown of test_a_process_left_behind_is_reported_and_killed*",
-        "*1 process(es) of a distributed run outlived the test (now killed):*",
-        "*time.sleep(3600)*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            "*test_a_hung_rank_fails_the_test*",
+            f"*RunTimeoutError: the run exceeded timeout_s={HANG_TIMEOUT_S}; "
+            "every rank was stopped*",
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_a_process_left_behind_is_reported_and_killed*",
+            "*1 process(es) of a distributed run outlived the test (now killed):*",
+            "*time.sleep(3600)*",
+        ]
+    )
     result.stdout.fnmatch_lines(["*ran in local mode*"])
     took = durations(str(pytester.path / "out.xml"))
     # The hung test ends at its timeout (plus the time to stop its ranks), not at the hang's.
@@ -152,7 +160,8 @@ def test_local_mode_runs_ranks_fails_hung_ones_and_leaves_nothing(
 def test_gpu_markers_skip_with_their_reason_where_there_is_no_cuda(
     pytester: pytest.Pytester, tagged: str
 ) -> None:
-    pytester.makepyfile(test_gpu="""
+    pytester.makepyfile(
+        test_gpu="""
         import pytest
 
         @pytest.mark.gpu
@@ -165,29 +174,49 @@ def test_gpu_markers_skip_with_their_reason_where_there_is_no_cuda(
 
         def test_runs_anyway():
             pass
-    """)
+    """
+    )
 
     result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider", timeout=60)
 
     result.assert_outcomes(passed=1, skipped=2)
-    result.stdout.fnmatch_lines_random([
-        "SKIPPED [[]1[]] test_gpu.py:3: needs a CUDA GPU: *",
-        "SKIPPED [[]1[]] test_gpu.py:7: needs 2 CUDA GPUs: *",
-    ])
+    result.stdout.fnmatch_lines_random(
+        [
+            "SKIPPED [[]1[]] test_gpu.py:3: needs a CUDA GPU: *",
+            "SKIPPED [[]1[]] test_gpu.py:7: needs 2 CUDA GPUs: *",
+        ]
+    )
     assert "nvidia-smi not found" in result.stdout.str() or (
-        "CUDA_VISIBLE_DEVICES=''" in result.stdout.str())
+        "CUDA_VISIBLE_DEVICES=''" in result.stdout.str()
+    )
 
 
-@pytest.mark.parametrize(("args", "source", "message"), [
-    (["--sparkdist-mode=cluster"], "def test_x(): pass",
-     "*argument --sparkdist-mode: invalid choice: 'cluster'*"),
-    (["--sparkdist-timeout=0"], "def test_x(): pass",
-     "*sparkdist_timeout must be a positive number of seconds*"),
-    (["-o", "sparkdist_spark_conf=spark.ui.enabled"], "def test_x(): pass",
-     "*'spark.ui.enabled' is not a key=value line*"),
-    ([], "import pytest\n@pytest.mark.multi_gpu\ndef test_x(): pass",
-     "*test_misuse.py::test_x: @pytest.mark.multi_gpu needs the number of GPUs*"),
-], ids=["unknown-mode", "zero-timeout", "conf-line-without-value", "multi_gpu-without-n"])
+@pytest.mark.parametrize(
+    ("args", "source", "message"),
+    [
+        (
+            ["--sparkdist-mode=cluster"],
+            "def test_x(): pass",
+            "*argument --sparkdist-mode: invalid choice: 'cluster'*",
+        ),
+        (
+            ["--sparkdist-timeout=0"],
+            "def test_x(): pass",
+            "*sparkdist_timeout must be a positive number of seconds*",
+        ),
+        (
+            ["-o", "sparkdist_spark_conf=spark.ui.enabled"],
+            "def test_x(): pass",
+            "*'spark.ui.enabled' is not a key=value line*",
+        ),
+        (
+            [],
+            "import pytest\n@pytest.mark.multi_gpu\ndef test_x(): pass",
+            "*test_misuse.py::test_x: @pytest.mark.multi_gpu needs the number of GPUs*",
+        ),
+    ],
+    ids=["unknown-mode", "zero-timeout", "conf-line-without-value", "multi_gpu-without-n"],
+)
 def test_misuse_is_refused_with_a_clear_message(
     pytester: pytest.Pytester, args: list[str], source: str, message: str
 ) -> None:
@@ -202,7 +231,9 @@ def test_misuse_is_refused_with_a_clear_message(
 
 @pytest.mark.spark
 def test_spark_mode_option_switches_the_launcher(pytester: pytest.Pytester, tagged: str) -> None:
-    pytester.makepyfile(test_user=USER_TESTS, test_spark_fixture="""
+    pytester.makepyfile(
+        test_user=USER_TESTS,
+        test_spark_fixture="""
         import os
         import sys
 
@@ -215,7 +246,15 @@ def test_spark_mode_option_switches_the_launcher(pytester: pytest.Pytester, tagg
             assert conf.get("spark.driver.host") == "127.0.0.1"
             assert os.environ["SPARK_LOCAL_IP"] == "127.0.0.1"
             assert spark.range(4).count() == 4
-    """)
+            # The user's JVM flags (sparkdist_spark_conf) come after the quiet log file's (Spark
+            # puts its own defaults before both).
+            flags = conf.get("spark.driver.extraJavaOptions")
+            quiet = flags.find(" -Dlog4j2.configurationFile=file:")
+            assert 0 <= quiet < flags.find(" -Dsparkdist.user.flag=kept"), flags
+            system = spark.sparkContext._jvm.java.lang.System
+            assert system.getProperty("sparkdist.user.flag") == "kept"
+    """,
+    )
     pytester.makeconftest("""
         from pathlib import Path
 
@@ -226,16 +265,28 @@ def test_spark_mode_option_switches_the_launcher(pytester: pytest.Pytester, tagg
     """)
 
     result = pytester.runpytest_subprocess(
-        "--sparkdist-mode=spark", "-rA", "-p", "no:cacheprovider", "-s",
+        "--sparkdist-mode=spark",
+        # A user's own driver JVM flag: kept, and Spark stays quiet (asserted below).
+        "-o",
+        "sparkdist_spark_conf=spark.driver.extraJavaOptions=-Dsparkdist.user.flag=kept",
+        "-rA",
+        "-p",
+        "no:cacheprovider",
+        "-s",
         # The left-behind check is the same code in both modes; spare the time here.
-        "-k", "not left_behind", timeout=300,
+        "-k",
+        "not left_behind",
+        timeout=300,
     )
 
     result.assert_outcomes(passed=3, failed=1, deselected=1)
     result.stdout.fnmatch_lines(["*ran in Spark mode*"])
-    result.stdout.fnmatch_lines([
-        f"*RunTimeoutError: the run exceeded timeout_s={HANG_TIMEOUT_S}; every rank was stopped*",
-    ])
+    result.stdout.fnmatch_lines(
+        [
+            f"*RunTimeoutError: the run exceeded timeout_s={HANG_TIMEOUT_S}; "
+            "every rank was stopped*",
+        ]
+    )
     assert "sparkdist: distributed runs in spark mode" in result.stdout.str()
     # Quiet: none of Spark's start-up chatter reached the terminal.
     assert "Setting default log level" not in result.stdout.str() + result.stderr.str()

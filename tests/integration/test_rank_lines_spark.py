@@ -68,8 +68,12 @@ def shown(raw: str) -> str:
 def test_rank_lines_are_whole_under_sparks_progress_bar(tmp_path):
     controller, follower = pty.openpty()
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER], cwd=tmp_path, stdin=subprocess.DEVNULL,
-        stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "100"},
+        [sys.executable, "-c", DRIVER],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "COLUMNS": "100"},
     )
     os.close(follower)
     chunks: list[bytes] = []
@@ -100,4 +104,5 @@ def test_rank_lines_are_whole_under_sparks_progress_bar(tmp_path):
     lines = [shown(line) for line in output.split("\n")]
     rank_lines = [line for line in lines if "[rank " in line]
     assert sorted(rank_lines) == sorted(
-        f"[rank {rank}] step {step}" for rank in (0, 1) for step in range(STEPS)), output[-3000:]
+        f"[rank {rank}] step {step}" for rank in (0, 1) for step in range(STEPS)
+    ), output[-3000:]

@@ -84,16 +84,40 @@ def test_every_helper_answers_under_plain_torchrun(tmp_path):
     mark = uuid.uuid4().hex
     # Loopback only: the rendezvous store, the agent's address and gloo's sockets.
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-id", mark,
-        "--local-addr", "127.0.0.1", str(PROBE), str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--rdzv-id",
+        mark,
+        "--local-addr",
+        "127.0.0.1",
+        str(PROBE),
+        str(out),
     ]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": str(tmp_path),
-           "RUNTIME_PROBE_MARK": mark}
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "TMPDIR": str(tmp_path),
+        "RUNTIME_PROBE_MARK": mark,
+    }
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
         env.pop(name, None)
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    process = subprocess.Popen(
+        command,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
     try:
         output, _ = process.communicate(timeout=TORCHRUN_TIMEOUT_S)
     finally:
@@ -119,8 +143,7 @@ def test_every_helper_answers_the_same_under_sparkdist(tmp_path):
 
 
 def where_am_i(tag):
-    return {"tag": tag, "rank": runtime.get_global_rank(),
-            "replica": runtime.get_replica_rank()}
+    return {"tag": tag, "rank": runtime.get_global_rank(), "replica": runtime.get_replica_rank()}
 
 
 def test_run_async_result_is_what_run_returns_and_the_handle_is_distributed_asyncs():
@@ -131,12 +154,18 @@ def test_run_async_result_is_what_run_returns_and_the_handle_is_distributed_asyn
     assert runs[0].run_id != runs[1].run_id
 
     assert [run.result(timeout=120) for run in runs] == [
-        {"tag": "a", "rank": 0, "replica": 0}, {"tag": "b", "rank": 0, "replica": 0}]
+        {"tag": "a", "rank": 0, "replica": 0},
+        {"tag": "b", "rank": 0, "replica": 0},
+    ]
     assert decorated.result(timeout=120) == [  # the decorator's handle: every rank, unchanged
-        {"tag": "c", "rank": 0, "replica": 0}, {"tag": "c", "rank": 1, "replica": 1}]
+        {"tag": "c", "rank": 0, "replica": 0},
+        {"tag": "c", "rank": 1, "replica": 1},
+    ]
     everything = runs[1].run_result()
     assert everything.values == [
-        {"tag": "b", "rank": 0, "replica": 0}, {"tag": "b", "rank": 1, "replica": 1}]
+        {"tag": "b", "rank": 0, "replica": 0},
+        {"tag": "b", "rank": 1, "replica": 1},
+    ]
     assert everything.run_id == runs[1].run_id
     assert all(run.done() for run in (*runs, decorated))
     assert runs[0].cancel() is False  # already over
@@ -163,8 +192,7 @@ def test_run_async_result_raises_what_run_raises():
 
 
 def mark_then_sleep(marker_dir):
-    Path(marker_dir, str(runtime.get_global_rank())).write_text(
-        os.environ.get("MLFLOW_RUN_ID", ""))
+    Path(marker_dir, str(runtime.get_global_rank())).write_text(os.environ.get("MLFLOW_RUN_ID", ""))
     time.sleep(120)
 
 
@@ -207,5 +235,7 @@ def test_run_async_names_its_mlflow_run_while_it_runs(tmp_path, monkeypatch):
         run.cancel()
     from mlflow.tracking import MlflowClient
 
-    assert MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(
-        run.mlflow_run_id).info.status == "KILLED"
+    assert (
+        MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(run.mlflow_run_id).info.status
+        == "KILLED"
+    )

@@ -34,12 +34,14 @@ _DRIVER_ONLY = ("sd_ship_helper", "sd_ship_dep", "sd_ship_pkg", "sd_ship_pkg.inn
 @pytest.fixture
 def driver_only_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """A module, its dependency and a package in a directory only the driver's sys.path has."""
-    (tmp_path / "sd_ship_helper.py").write_text(textwrap.dedent("""
+    (tmp_path / "sd_ship_helper.py").write_text(
+        textwrap.dedent("""
         import sd_ship_dep
 
         def scale(x):
             return sd_ship_dep.FACTOR * x
-    """))
+    """)
+    )
     (tmp_path / "sd_ship_dep.py").write_text("FACTOR = 3\n")
     package = tmp_path / "sd_ship_pkg"
     package.mkdir()
@@ -66,8 +68,9 @@ def test_modules_known_only_to_the_driver_reach_the_executors(spark_cluster, dri
     assert [v[0] for v in values] == [45, 48]
     for _, where, saw_driver_path in values:
         # The executors imported the shipped copy, from their run directory.
-        assert not saw_driver_path and where.endswith(os.path.join("code", "sd_ship_pkg",
-                                                                     "__init__.py"))
+        assert not saw_driver_path and where.endswith(
+            os.path.join("code", "sd_ship_pkg", "__init__.py")
+        )
         assert not where.startswith(driver_dir)
 
 
@@ -85,7 +88,9 @@ def test_a_mismatched_requirement_fails_before_any_rank_starts(spark_cluster):
     try:
         with pytest.raises(ClusterError) as info:
             Distributor(
-                2, local_mode=False, use_gpu=False,
+                2,
+                local_mode=False,
+                use_gpu=False,
                 requirements=["numpy==1.0.0", "sd-not-installed-anywhere==1.0", "cloudpickle"],
             ).run(lambda: 1)
     finally:
@@ -107,8 +112,11 @@ def test_a_mismatched_requirement_fails_before_any_rank_starts(spark_cluster):
 
 # The executors' copies go after the last attempt, or after one that succeeded with restarts
 # left (no attempt follows); a failed attempt leaves them for the restart, which reads them.
-@pytest.mark.parametrize(("max_restarts", "fail_once"), [(0, False), (1, False), (1, True)],
-                         ids=["no restarts", "succeeds with restarts left", "fails once"])
+@pytest.mark.parametrize(
+    ("max_restarts", "fail_once"),
+    [(0, False), (1, False), (1, True)],
+    ids=["no restarts", "succeeds with restarts left", "fails once"],
+)
 def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(
     spark_cluster, caplog, max_restarts, fail_once
 ):
@@ -122,8 +130,9 @@ def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(
             raise RuntimeError("the first attempt fails")
         return float(data[-1])
 
-    result = Distributor(2, local_mode=False, use_gpu=False, job_size_warn_mb=5,
-                         max_restarts=max_restarts).run_all(train)
+    result = Distributor(
+        2, local_mode=False, use_gpu=False, job_size_warn_mb=5, max_restarts=max_restarts
+    ).run_all(train)
     assert result.values == [1_499_999.0, 1_499_999.0]
     [warning] = [r.getMessage() for r in caplog.records if "job_size_warn_mb=5" in r.getMessage()]
     assert "variable 'data' captured by" in warning and "numpy.ndarray, 11.4 MB" in warning
@@ -235,20 +244,25 @@ def test_a_packed_environment_shipped_with_spark_archives_runs_the_ranks(tmp_pat
     )
     marker = site_dir / "sd_envpack_marker-1.0.dist-info"
     marker.mkdir()
-    (marker / "METADATA").write_text("Metadata-Version: 2.1\nName: sd-envpack-marker\n"
-                                     "Version: 1.0\n")
+    (marker / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: sd-envpack-marker\nVersion: 1.0\n"
+    )
     (marker / "RECORD").write_text("")
     archive = tmp_path / "env.tar.gz"
     venv_pack.pack(prefix=str(env_dir), output=str(archive))
     script = tmp_path / "job.py"
     script.write_text(_PACKED_ENV_JOB)
-    done = subprocess.run([sys.executable, str(script), str(archive), FAST_JVM_OPTIONS],
-                          check=False,
-                          capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "SPARKDIST_MLFLOW": "0"})
+    done = subprocess.run(
+        [sys.executable, str(script), str(archive), FAST_JVM_OPTIONS],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "SPARKDIST_MLFLOW": "0"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    values = json.loads(line[len("RESULT "):])
+    values = json.loads(line[len("RESULT ") :])
     for executable, marker_version in values:
         assert executable.endswith(os.path.join("environment", "bin", "python"))
         assert marker_version == "1.0"
@@ -259,7 +273,8 @@ def test_a_refusal_with_dataframe_input_does_not_hang(spark_cluster):
     frame = spark_cluster.range(8)
     with pytest.raises(ClusterError, match="no rank process was started"):
         Distributor(2, local_mode=False, use_gpu=False, requirements=["numpy==1.0.0"]).run(
-            lambda: 1, spark_dataframe=frame)
+            lambda: 1, spark_dataframe=frame
+        )
     assert not run_processes()
 
 
@@ -267,7 +282,8 @@ def test_a_detached_node_refuses_through_its_task_error(spark_cluster, monkeypat
     monkeypatch.setenv("SPARKDIST_CONTROL_CHANNEL", "off")  # executors "cannot reach" us
     with pytest.raises(ClusterError) as info:
         Distributor(2, local_mode=False, use_gpu=False, requirements=["numpy==1.0.0"]).run(
-            lambda: 1)
+            lambda: 1
+        )
     [numpy_row] = [line for line in str(info.value).splitlines() if " numpy " in line]
     assert "==1.0.0 (pinned)" in numpy_row and numpy_row.rstrip().endswith(np.__version__)
     assert "SPARKDIST-REFUSAL" not in str(info.value)  # the driver decoded it

@@ -89,9 +89,11 @@ def snapshot() -> Snapshot:
         spares += [g for g in _live(zygote.children()) if g.name() == "sparkdist-spare"]
         zygote_fds += zygote.num_fds()
         zygote_threads += zygote.num_threads()
-    ranks = [p for p in _live(me.children(recursive=True))
-             if p.name().startswith("sparkdist-r")
-             or "sparkdist._node.worker" in " ".join(p.cmdline())]
+    ranks = [
+        p
+        for p in _live(me.children(recursive=True))
+        if p.name().startswith("sparkdist-r") or "sparkdist._node.worker" in " ".join(p.cmdline())
+    ]
     return Snapshot(
         fds=len(os.listdir("/proc/self/fd")),
         threads=threading.active_count(),
@@ -140,10 +142,13 @@ def test_a_hundred_runs_return_to_baseline(capsys):
         "threads_min_max_during": [min(threads), max(threads)],
         "temp_entries_baseline": list(baseline.temp_entries),
         "temp_entries_after": list(after.temp_entries),
-        "after_pool_shutdown": {"children": list(shut.children), "fds": shut.fds,
-                                "threads": shut.threads,
-                                "temp_entries": list(shut.temp_entries),
-                                "pool_processes_alive": len(_live(still_alive))},
+        "after_pool_shutdown": {
+            "children": list(shut.children),
+            "fds": shut.fds,
+            "threads": shut.threads,
+            "temp_entries": list(shut.temp_entries),
+            "pool_processes_alive": len(_live(still_alive)),
+        },
         "rss_growth_mb": round(after.rss_mb - baseline.rss_mb, 1),
     }
     with capsys.disabled():

@@ -111,6 +111,6 @@ def test_two_hundred_mixed_runs_return_to_baseline():
     assert after.fds <= baseline.fds + FD_SLACK, report
     assert after.threads <= baseline.threads + THREAD_SLACK, report
     assert after.zygote_fds <= baseline.zygote_fds + FD_SLACK, report
-    assert set(after.temp_entries) <= set(baseline.temp_entries), (
-        set(after.temp_entries) - set(baseline.temp_entries)
+    assert set(after.temp_entries) <= set(baseline.temp_entries), set(after.temp_entries) - set(
+        baseline.temp_entries
     )

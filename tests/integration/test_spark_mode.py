@@ -26,8 +26,12 @@ def all_reduce_rank_sum(scale):
     dist.init_process_group("gloo")
     total = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(total)
-    return {"rank": dist.get_rank(), "total": total.item() * scale,
-            "node": os.environ["GROUP_RANK"], "local": os.environ["LOCAL_RANK"]}
+    return {
+        "rank": dist.get_rank(),
+        "total": total.item() * scale,
+        "node": os.environ["GROUP_RANK"],
+        "local": os.environ["LOCAL_RANK"],
+    }
 
 
 def test_barrier_stage_all_reduce_in_rank_order(spark_local):
@@ -79,8 +83,11 @@ def test_timeout_cancels_the_stage(spark_local):
 def test_more_tasks_than_slots_fails_fast_naming_both_counts(spark_local):
     # local[2] has no executors to wait for: the count is final at once, whatever the timeout.
     started = time.monotonic()
-    with pytest.raises(ClusterError, match="needs 3 task slots at once but master 'local.2.' "
-                       r"runs 2 task\(s\) at once .*local\[3\] or more"):
+    with pytest.raises(
+        ClusterError,
+        match="needs 3 task slots at once but master 'local.2.' "
+        r"runs 2 task\(s\) at once .*local\[3\] or more",
+    ):
         Distributor(3, local_mode=False, use_gpu=False, start_timeout_s=600).run(lambda: 1)
     assert time.monotonic() - started < 60
     assert not run_processes()

@@ -34,9 +34,18 @@ def where_am_i(tag):
 def test_remote_runs_as_barrier_tasks_on_local_spark(spark_local, caplog):
     caplog.set_level(logging.WARNING, logger="sparkdist")
     values = distributed(gpus=2, remote=True, spark=spark_local)(where_am_i).distributed("r")
-    assert [(v["tag"], v["rank"], v["node_rank"], v["local_rank"], v["local_world_size"],
-             v["world_size"], v["main"]) for v in values] == [
-        ("r", 0, 0, 0, 1, 2, True), ("r", 1, 1, 0, 1, 2, False)]
+    assert [
+        (
+            v["tag"],
+            v["rank"],
+            v["node_rank"],
+            v["local_rank"],
+            v["local_world_size"],
+            v["world_size"],
+            v["main"],
+        )
+        for v in values
+    ] == [("r", 0, 0, 0, 1, 2, True), ("r", 1, 1, 0, 1, 2, False)]
     [warning] = [r for r in caplog.records if "CPU process(es) with gloo" in r.message]
     assert "spark.task.resource.gpu.amount is unset or 0" in warning.message
     assert not run_processes()
@@ -62,5 +71,7 @@ def test_remote_handle_cancel_stops_the_stage_and_every_rank(spark_local, tmp_pa
     with pytest.raises(concurrent.futures.CancelledError):
         run.result()
     # The session is still usable afterwards.
-    assert distributed(gpus=2, remote=True, use_gpu=False)(where_am_i).distributed("again")[1][
-        "rank"] == 1
+    assert (
+        distributed(gpus=2, remote=True, use_gpu=False)(where_am_i).distributed("again")[1]["rank"]
+        == 1
+    )

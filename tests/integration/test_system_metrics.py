@@ -135,9 +135,7 @@ def test_the_timeline_orders_every_ranks_life(uneven_run):
 def test_the_report_is_an_artifact_of_the_run(uneven_run, tmp_path):
     result, _, _, uri = uneven_run
     client = _client(uri)
-    assert [a.path for a in client.list_artifacts(result.mlflow_run_id)] == [
-        "sparkdist_report.png"
-    ]
+    assert [a.path for a in client.list_artifacts(result.mlflow_run_id)] == ["sparkdist_report.png"]
     local = client.download_artifacts(result.mlflow_run_id, "sparkdist_report.png", tmp_path)
     assert Path(local).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = result.save_report(tmp_path / "again.png")  # and on demand

@@ -41,9 +41,17 @@ def test_deepspeed_ranks_compile_nothing_and_clear_a_dead_builds_lock(tmp_path, 
     an_hour_ago = time.time() - 3600
     os.utime(lock, (an_hour_ago, an_hour_ago))
 
-    values = Distributor(2, use_gpu=False, mode="deepspeed", start_timeout_s=240,
-                         env={"TORCH_EXTENSIONS_DIR": str(extensions)}).run_all(
-        init_and_all_reduce).values
+    values = (
+        Distributor(
+            2,
+            use_gpu=False,
+            mode="deepspeed",
+            start_timeout_s=240,
+            env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+        )
+        .run_all(init_and_all_reduce)
+        .values
+    )
 
     assert values == [{"shm_op": False, "total": 2.0}] * 2  # gloo did the all_reduce
     assert not lock.exists()

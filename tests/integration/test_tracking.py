@@ -82,16 +82,24 @@ def test_every_rank_logs_into_the_one_run_of_the_launch(tracked, store_uri):
     result, _ = tracked
     run_id = result.mlflow_run_id
     assert run_id
-    absolute = "sqlite:///" + os.path.abspath(store_uri[len("sqlite:///"):])
+    absolute = "sqlite:///" + os.path.abspath(store_uri[len("sqlite:///") :])
     run = client(store_uri).get_run(run_id)
-    assert result.values == [
-        {"MLFLOW_RUN_ID": run_id, "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
-         "MLFLOW_TRACKING_URI": absolute}
-    ] * 2
+    assert (
+        result.values
+        == [
+            {
+                "MLFLOW_RUN_ID": run_id,
+                "MLFLOW_EXPERIMENT_ID": run.info.experiment_id,
+                "MLFLOW_TRACKING_URI": absolute,
+            }
+        ]
+        * 2
+    )
     for rank in (0, 1):
         history = client(store_uri).get_metric_history(run_id, f"rank{rank}_seen")
         assert sorted((m.step, m.value) for m in history) == [
-            (s, float(s)) for s in range(1, STEPS + 1)]
+            (s, float(s)) for s in range(1, STEPS + 1)
+        ]
     assert run.info.status == "FINISHED"
     assert run.data.tags["sparkdist.outcome"] == "succeeded"
     assert run.data.tags["sparkdist.run_id"] == result.run_id
@@ -102,34 +110,50 @@ def test_launch_params_are_logged(tracked, store_uri):
     from sparkdist import __version__
 
     params = client(store_uri).get_run(result.mlflow_run_id).data.params
-    assert {k: params[k] for k in (
-        "sparkdist.num_processes", "sparkdist.mode", "sparkdist.backend", "sparkdist.num_tasks",
-        "sparkdist.gpus_per_task", "sparkdist.processes_per_task", "sparkdist.version",
-    )} == {
-        "sparkdist.num_processes": "2", "sparkdist.mode": "ddp", "sparkdist.backend": "gloo",
-        "sparkdist.num_tasks": "1", "sparkdist.gpus_per_task": "0",
-        "sparkdist.processes_per_task": "2", "sparkdist.version": __version__,
+    assert {
+        k: params[k]
+        for k in (
+            "sparkdist.num_processes",
+            "sparkdist.mode",
+            "sparkdist.backend",
+            "sparkdist.num_tasks",
+            "sparkdist.gpus_per_task",
+            "sparkdist.processes_per_task",
+            "sparkdist.version",
+        )
+    } == {
+        "sparkdist.num_processes": "2",
+        "sparkdist.mode": "ddp",
+        "sparkdist.backend": "gloo",
+        "sparkdist.num_tasks": "1",
+        "sparkdist.gpus_per_task": "0",
+        "sparkdist.processes_per_task": "2",
+        "sparkdist.version": __version__,
     }
     assert client(store_uri).get_run(result.mlflow_run_id).data.tags["sparkdist.hosts"] == (
-        "127.0.0.1")
+        "127.0.0.1"
+    )
 
 
 def test_reports_show_on_the_driver_and_reach_mlflow_once(tracked, store_uri):
     result, stderr = tracked
     history = client(store_uri).get_metric_history(result.mlflow_run_id, "loss")
     # Both ranks reported every step: each step is logged once, not once per rank.
-    assert sorted((m.step, m.value) for m in history) == [
-        (s, 1.0 / s) for s in range(1, STEPS + 1)]
+    assert sorted((m.step, m.value) for m in history) == [(s, 1.0 / s) for s in range(1, STEPS + 1)]
     assert result.last_metrics == {"loss": 1.0 / STEPS}
     # One line says where the run went (no server link: nobody started one), and opening the
     # store said nothing (MLflow's migrations log at INFO).
-    uri = "sqlite:///" + os.path.abspath(store_uri[len("sqlite:///"):])
+    uri = "sqlite:///" + os.path.abspath(store_uri[len("sqlite:///") :])
     assert [line for line in stderr.splitlines() if "MLflow" in line] == [
         f"sparkdist: MLflow run {result.mlflow_run_id} logged to {uri} (open it with: mlflow ui "
-        f"--backend-store-uri {uri})"]
+        f"--backend-store-uri {uri})"
+    ]
     assert "http://" not in stderr and "database tables" not in stderr
-    lines = [line for line in stderr.splitlines()
-             if line.startswith(f"sparkdist: run {result.run_id}: step ")]
+    lines = [
+        line
+        for line in stderr.splitlines()
+        if line.startswith(f"sparkdist: run {result.run_id}: step ")
+    ]
     assert f"step {STEPS}/{STEPS} (100%)" in lines[-1] and "loss=0.2" in lines[-1]
     assert "\r" not in stderr  # no terminal: plain lines, no bar
 
@@ -172,8 +196,11 @@ def test_failed_run_is_marked_failed_with_its_root_cause(monkeypatch, tracking_s
     (run,) = mlflow_client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"
     tags = run.data.tags
-    assert (tags["sparkdist.root_cause_rank"], tags["sparkdist.outcome"],
-            tags["sparkdist.error_type"]) == ("1", "failed", "WorkerFailedError")
+    assert (
+        tags["sparkdist.root_cause_rank"],
+        tags["sparkdist.outcome"],
+        tags["sparkdist.error_type"],
+    ) == ("1", "failed", "WorkerFailedError")
     assert tags["sparkdist.root_cause_type"].endswith("ValueError")
 
 
@@ -253,7 +280,8 @@ def test_an_mlflow_server_that_does_not_answer_is_given_up(monkeypatch, capfd):
         started = time.monotonic()
         # Room for a loaded machine: the launch and MLflow's import fit in the other half.
         result = Distributor(2, use_gpu=False, mlflow=True, start_timeout_s=20).run_all(
-            mlflow_run_id)
+            mlflow_run_id
+        )
         took = time.monotonic() - started
     assert result.values == [None, None] and result.mlflow_run_id is None
     assert took < 20  # given up after start_timeout_s / 2, not at the start deadline
@@ -276,8 +304,15 @@ def test_without_mlflow_training_runs_and_one_line_says_tracking_is_off(tmp_path
         print("RESULT", result.values, result.mlflow_run_id, result.last_metrics)
     """)
     env = {k: v for k, v in os.environ.items() if k not in MLFLOW_VARS}
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=False,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "RESULT [None, None] None {'loss': 0.5}" in done.stdout
     off = [line for line in done.stderr.splitlines() if "tracking is off" in line]

@@ -45,8 +45,7 @@ def pollute(helper_dir):
 
 def test_nothing_leaks_from_one_pooled_run_into_the_next(tmp_path):
     (tmp_path / "sparkdist_user_helper.py").write_text("VALUE = 1\n")
-    first = Distributor(2, use_gpu=False, env={"EXTRA_FLAG": "on"}).run_all(
-        pollute, str(tmp_path))
+    first = Distributor(2, use_gpu=False, env={"EXTRA_FLAG": "on"}).run_all(pollute, str(tmp_path))
     second = Distributor(2, use_gpu=False).run_all(rank_view)
     assert [v["user_module"] for v in first.values] == [True, True]
     assert [v["extra"] for v in first.values] == ["on", "on"]

@@ -43,7 +43,9 @@ def no_rank_left_on_any_host(request: pytest.FixtureRequest) -> Iterator[None]:
     if left:
         for proc in left:
             cluster.lab.signal(proc["pid"], 9)
-        listing = "\n".join(f"  {p['host']} pid {p['pid']}: {' '.join(p['argv'])[:150]}"
-                            for p in left)
-        pytest.fail(f"{len(left)} process(es) of a run outlived the test:\n{listing}",
-                    pytrace=False)
+        listing = "\n".join(
+            f"  {p['host']} pid {p['pid']}: {' '.join(p['argv'])[:150]}" for p in left
+        )
+        pytest.fail(
+            f"{len(left)} process(es) of a run outlived the test:\n{listing}", pytrace=False
+        )

@@ -32,7 +32,8 @@ def where(x):
     t = torch.ones(1)
     dist.all_reduce(t)
     dist.destroy_process_group()
-    return [socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"), t.item(), lab_helper.scale(x)]
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    return [socket.gethostname(), ifname, t.item(), lab_helper.scale(x)]
 
 {session}
 values = sparkdist.Distributor({ranks}, local_mode=False, use_gpu=False).run_all(where, 2).values
@@ -56,18 +57,41 @@ def _result(stdout: str) -> list[list]:
 def test_a_spark_submit_job_on_the_driver_host(lab_cluster: LabCluster) -> None:
     lab = lab_cluster.lab
     lab.write_file("driver", "/tmp/job/lab_helper.py", HELPER)
-    lab.write_file("driver", "/tmp/job/submit_job.py", JOB.format(
-        session="from pyspark.sql import SparkSession\nspark = SparkSession.builder.getOrCreate()",
-        ranks=3))
-    spark_submit = str(Path(os.path.dirname(__import__("pyspark").__file__)) / "bin" / "spark-submit")
+    lab.write_file(
+        "driver",
+        "/tmp/job/submit_job.py",
+        JOB.format(
+            session=(
+                "from pyspark.sql import SparkSession\nspark = SparkSession.builder.getOrCreate()"
+            ),
+            ranks=3,
+        ),
+    )
+    spark_submit = str(
+        Path(os.path.dirname(__import__("pyspark").__file__)) / "bin" / "spark-submit"
+    )
     done = lab.run(
         "driver",
-        [spark_submit, "--master", MASTER_URL, "--conf", "spark.cores.max=3",
-         "--conf", "spark.executor.cores=1", "--conf", "spark.executor.memory=512m",
-         "--conf", "spark.ui.enabled=false", "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-         "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
-         "/tmp/job/submit_job.py"],
-        env=lab.env("driver", SPARKDIST_MLFLOW="0"), timeout_s=240,
+        [
+            spark_submit,
+            "--master",
+            MASTER_URL,
+            "--conf",
+            "spark.cores.max=3",
+            "--conf",
+            "spark.executor.cores=1",
+            "--conf",
+            "spark.executor.memory=512m",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+            "--conf",
+            f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+            "/tmp/job/submit_job.py",
+        ],
+        env=lab.env("driver", SPARKDIST_MLFLOW="0"),
+        timeout_s=240,
     )
     assert done.rc == 0, _quiet(done.stdout + done.stderr)
     values = _result(done.stdout)
@@ -77,33 +101,62 @@ def test_a_spark_submit_job_on_the_driver_host(lab_cluster: LabCluster) -> None:
 
 def test_a_connect_client_on_one_host_and_its_server_on_another(lab_cluster: LabCluster) -> None:
     lab = lab_cluster.lab
-    spark_submit = str(Path(os.path.dirname(__import__("pyspark").__file__)) / "bin" / "spark-submit")
+    spark_submit = str(
+        Path(os.path.dirname(__import__("pyspark").__file__)) / "bin" / "spark-submit"
+    )
     log = lab.directory / "logs" / "connect-server.log"
     server = lab.spawn(
         "host1",
-        [spark_submit, "--master", MASTER_URL, "--class",
-         "org.apache.spark.sql.connect.service.SparkConnectServer",
-         "--conf", "spark.connect.grpc.binding.port=15002",
-         "--conf", "spark.cores.max=2", "--conf", "spark.executor.cores=1",
-         "--conf", "spark.executor.memory=512m", "--conf", "spark.ui.enabled=false",
-         "--conf", f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-         "--conf", f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}", "spark-internal"],
-        log, env=lab.env("host1"),
+        [
+            spark_submit,
+            "--master",
+            MASTER_URL,
+            "--class",
+            "org.apache.spark.sql.connect.service.SparkConnectServer",
+            "--conf",
+            "spark.connect.grpc.binding.port=15002",
+            "--conf",
+            "spark.cores.max=2",
+            "--conf",
+            "spark.executor.cores=1",
+            "--conf",
+            "spark.executor.memory=512m",
+            "--conf",
+            "spark.ui.enabled=false",
+            "--conf",
+            f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
+            "--conf",
+            f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+            "spark-internal",
+        ],
+        log,
+        env=lab.env("host1"),
     )
     try:
         deadline = time.monotonic() + 120
-        while "Spark Connect server started" not in (log.read_text(errors="replace") if log.exists() else ""):
+        while "Spark Connect server started" not in (
+            log.read_text(errors="replace") if log.exists() else ""
+        ):
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.2)  # the server's log is its only readiness signal
         lab.write_file("driver", "/tmp/job/lab_helper.py", HELPER)
-        lab.write_file("driver", "/tmp/job/connect_job.py", JOB.format(
-            session=textwrap.dedent("""
+        lab.write_file(
+            "driver",
+            "/tmp/job/connect_job.py",
+            JOB.format(
+                session=textwrap.dedent("""
                 from pyspark.sql import SparkSession
                 spark = SparkSession.builder.remote("sc://198.18.0.11:15002").getOrCreate()
-            """), ranks=2))
-        done = lab.run("driver", [lab_cluster.lab.env("driver")["PYSPARK_PYTHON"],
-                                  "/tmp/job/connect_job.py"],
-                       env=lab.env("driver", SPARKDIST_MLFLOW="0"), timeout_s=240)
+            """),
+                ranks=2,
+            ),
+        )
+        done = lab.run(
+            "driver",
+            [lab_cluster.lab.env("driver")["PYSPARK_PYTHON"], "/tmp/job/connect_job.py"],
+            env=lab.env("driver", SPARKDIST_MLFLOW="0"),
+            timeout_s=240,
+        )
         assert done.rc == 0, _quiet(done.stdout + done.stderr)
         values = _result(done.stdout)
         assert len({v[0] for v in values}) == 2 and all(v[0].startswith("lab-host") for v in values)
@@ -115,6 +168,12 @@ def test_a_connect_client_on_one_host_and_its_server_on_another(lab_cluster: Lab
         lab.call("wait", proc=server["proc"], timeout_s=30)
         # Its executors go when the master sees their application end.
         deadline = time.monotonic() + 30
-        while any("CoarseGrainedExecutorBackend" in " ".join(p["argv"]) and "Connect" in " ".join(p["argv"])
-                  for p in lab.processes()) and time.monotonic() < deadline:
+        while (
+            any(
+                "CoarseGrainedExecutorBackend" in " ".join(p["argv"])
+                and "Connect" in " ".join(p["argv"])
+                for p in lab.processes()
+            )
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)

@@ -55,11 +55,14 @@ def test_hosts_have_their_own_names_tmp_and_addresses(tmp_path: Path) -> None:
         lab.add_hosts(2, [NameResolution.LOOPBACK, NameResolution.SIDE])
         lab.write_file("host1", "/tmp/only-here", "1")
         (lab.shared / "seen-by-all").write_text("shared")
-        probe_code = textwrap.dedent("""
+        seen_by_all = str(lab.shared / "seen-by-all")
+        probe_code = textwrap.dedent(
+            f"""
             import os, socket
             print(socket.gethostname(), socket.gethostbyname(socket.gethostname()),
-                  os.path.exists("/tmp/only-here"), open(%r).read())
-        """ % str(lab.shared / "seen-by-all"))
+                  os.path.exists("/tmp/only-here"), open({seen_by_all!r}).read())
+            """
+        )
         seen = {h: lab.python(h, probe_code).stdout.split() for h in ("host1", "host2")}
         assert seen["host1"] == ["lab-host1", "127.0.1.1", "True", "shared"]
         assert seen["host2"] == ["lab-host2", "198.19.0.12", "False", "shared"]
@@ -75,17 +78,22 @@ def test_hosts_have_their_own_names_tmp_and_addresses(tmp_path: Path) -> None:
 
 def test_nothing_of_a_lab_survives_its_maker_being_killed(tmp_path: Path) -> None:
     maker = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import sys, time
             from pathlib import Path
             from sparkdist._lab.lab import Lab
-            lab = Lab(Path({str(tmp_path / 'lab')!r}), Path({str(tmp_path / 'shared')!r}), "k")
+            lab = Lab(Path({str(tmp_path / "lab")!r}), Path({str(tmp_path / "shared")!r}), "k")
             lab.add_hosts(1)
-            lab.spawn("host1", ["sleep", "600"], Path({str(tmp_path / 'sleep.log')!r}))
+            lab.spawn("host1", ["sleep", "600"], Path({str(tmp_path / "sleep.log")!r}))
             print(lab._holder.pid, flush=True)
             time.sleep(600)
-        """)],
-        stdout=subprocess.PIPE, text=True,
+        """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert maker.stdout is not None
     holder_pid = int(maker.stdout.readline())
@@ -103,6 +111,9 @@ def test_nothing_of_a_lab_survives_its_maker_being_killed(tmp_path: Path) -> Non
 def test_the_shared_cluster_started_checked(lab_cluster: LabCluster) -> None:
     # start() already required every Worker registered and every host reaching every other;
     # here: each host runs exactly one Worker, bound to its own address.
-    workers = [p for p in lab_cluster.lab.processes() if any("deploy.worker.Worker" in a
-                                                             for a in p["argv"])]
+    workers = [
+        p
+        for p in lab_cluster.lab.processes()
+        if any("deploy.worker.Worker" in a for a in p["argv"])
+    ]
     assert sorted(p["host"] for p in workers if p["name"] == "java") == lab_cluster.workers

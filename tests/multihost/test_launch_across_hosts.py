@@ -54,13 +54,16 @@ result = {call}
 @pytest.fixture(scope="module")
 def driver_only_module(lab_cluster: LabCluster, lab_driver: DriverKernel) -> None:
     # A module in the driver's private /tmp: no other host has it, so it must travel.
-    lab_cluster.lab.write_file("driver", "/tmp/job/lab_helper.py", "def scale(x):\n    return 3 * x\n")
+    lab_cluster.lab.write_file(
+        "driver", "/tmp/job/lab_helper.py", "def scale(x):\n    return 3 * x\n"
+    )
     for host in lab_cluster.workers:
         assert lab_cluster.lab.list_dir(host, "/tmp/job") is None
 
 
-def _check_world(values: list[dict], cluster: LabCluster, *, gloo: str = "eth0",
-                 nccl: str = "=eth0") -> None:
+def _check_world(
+    values: list[dict], cluster: LabCluster, *, gloo: str = "eth0", nccl: str = "=eth0"
+) -> None:
     # NCCL reads a bare name as a prefix ("eth0" would match "eth01"): "=" asks for exactly it.
     assert [v["rank"] for v in values] == [0, 1, 2]
     assert sorted(v["hostname"] for v in values) == ["lab-host1", "lab-host2", "lab-host3"]
@@ -77,7 +80,8 @@ def test_ddp_on_hosts_whose_names_resolve_to_loopback_or_a_foreign_network(
     lab_cluster: LabCluster, lab_driver: DriverKernel, driver_only_module: None
 ) -> None:
     values = _run_values(
-        lab_driver, WHERE_AM_I,
+        lab_driver,
+        WHERE_AM_I,
         "sparkdist.Distributor(3, local_mode=False, use_gpu=False).run_all(where_am_i, 5).values",
     )
     _check_world(values, lab_cluster)
@@ -88,7 +92,8 @@ def test_an_interface_the_user_set_is_left_as_it_is(
     lab_cluster: LabCluster, lab_driver: DriverKernel, driver_only_module: None
 ) -> None:
     values = _run_values(
-        lab_driver, WHERE_AM_I,
+        lab_driver,
+        WHERE_AM_I,
         "sparkdist.Distributor(3, local_mode=False, use_gpu=False, env={'GLOO_SOCKET_IFNAME': "
         "'eth0,eth0', 'NCCL_SOCKET_IFNAME': 'eth'}).run_all(where_am_i, 1).values",
     )
@@ -99,7 +104,8 @@ def test_the_decorator_runs_remote_across_hosts(
     lab_cluster: LabCluster, lab_driver: DriverKernel, driver_only_module: None
 ) -> None:
     values = _run_values(
-        lab_driver, WHERE_AM_I,
+        lab_driver,
+        WHERE_AM_I,
         "sparkdist.distributed(gpus=3, remote=True, use_gpu=False)(where_am_i).distributed(2)",
     )
     _check_world(values, lab_cluster)
@@ -136,7 +142,8 @@ def fsdp_train():
 
 def test_fsdp2_shards_across_hosts(lab_driver: DriverKernel, driver_only_module: None) -> None:
     values = _run_values(
-        lab_driver, FSDP,
+        lab_driver,
+        FSDP,
         "sparkdist.Distributor(3, local_mode=False, use_gpu=False, mode='fsdp')"
         ".run_all(fsdp_train).values",
     )
@@ -176,9 +183,12 @@ def deepspeed_train(steps):
 
 
 @pytest.mark.deepspeed
-def test_deepspeed_both_ways_across_hosts(lab_driver: DriverKernel, driver_only_module: None) -> None:
+def test_deepspeed_both_ways_across_hosts(
+    lab_driver: DriverKernel, driver_only_module: None
+) -> None:
     both = _run_values(
-        lab_driver, DEEPSPEED,
+        lab_driver,
+        DEEPSPEED,
         "[sparkdist.Distributor(2, local_mode=False, use_gpu=False, mode='deepspeed', "
         "deepspeed_config=CONFIG).run_all(deepspeed_train, 8).values, "
         "sparkdist.DeepspeedTorchDistributor(numGpus=1, nnodes=2, localMode=False, useGpu=False, "
@@ -190,7 +200,9 @@ def test_deepspeed_both_ways_across_hosts(lab_driver: DriverKernel, driver_only_
     assert drop_in["last"] < drop_in["first"]
 
 
-def test_each_rank_reads_only_its_own_rows(lab_driver: DriverKernel, driver_only_module: None) -> None:
+def test_each_rank_reads_only_its_own_rows(
+    lab_driver: DriverKernel, driver_only_module: None
+) -> None:
     values = lab_driver.check(
         """
 import sparkdist

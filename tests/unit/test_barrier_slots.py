@@ -63,8 +63,10 @@ GPU_CLUSTER = {
         (
             (3, 2, 2, 2, 0.5),
             {"spark.master": "local-cluster[2,1,1024]"},
-            ["offers 2: 2 of 2 executors registered after 0.5 s",
-             "master 'local-cluster[2,1,1024]'"],
+            [
+                "offers 2: 2 of 2 executors registered after 0.5 s",
+                "master 'local-cluster[2,1,1024]'",
+            ],
             "add executors or cores (spark.executor.instances, spark.executor.cores, GPU amounts)",
         ),
         # A standalone master does not say how many executors will come.
@@ -78,8 +80,10 @@ GPU_CLUSTER = {
         (
             (3, 1, 0, 0, 0.0),
             {"spark.master": "local[2]", "spark.task.cpus": "2"},
-            ["needs 3 task slots at once but master 'local[2]' runs 1 task(s) at once",
-             "spark.task.cpus=2"],
+            [
+                "needs 3 task slots at once but master 'local[2]' runs 1 task(s) at once",
+                "spark.task.cpus=2",
+            ],
             "use a master with more threads (local[6] or more) or lower num_processes",
         ),
     ],

@@ -153,7 +153,7 @@ def test_no_wake_up_is_lost_while_lines_and_control_messages_race(served):
     try:
         for number in range(300):
             client.send(protocol.Rows({0: number}))
-            assert inbox.wait_for(lambda i: protocol.Rows({0: number}) in i.messages, 2.0), (
+            assert inbox.wait_for(lambda i, n=number: protocol.Rows({0: n}) in i.messages, 2.0), (
                 f"control message {number} was never sent"
             )
     finally:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import pickle
+import socket
 import stat
 import subprocess
 import sys

@@ -60,25 +60,72 @@ def test_defaults_are_the_tables(in_tmp):
 
 def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
     request = parse(
-        "-n", "4", "--master", "spark://h:7077", "--conf", "spark.task.resource.gpu.amount=1",
-        "--env", "A=x=y", "--cpu", "--timeout", "60", "--start-timeout", "30", "--mode", "fsdp",
-        "-m", "pkg.train", "--", "--epochs", "2",
+        "-n",
+        "4",
+        "--master",
+        "spark://h:7077",
+        "--conf",
+        "spark.task.resource.gpu.amount=1",
+        "--env",
+        "A=x=y",
+        "--cpu",
+        "--timeout",
+        "60",
+        "--start-timeout",
+        "30",
+        "--mode",
+        "fsdp",
+        "-m",
+        "pkg.train",
+        "--",
+        "--epochs",
+        "2",
     )
     assert request == RunRequest(
-        target="pkg.train", module=True, script_args=("--epochs", "2"), master="spark://h:7077",
+        target="pkg.train",
+        module=True,
+        script_args=("--epochs", "2"),
+        master="spark://h:7077",
         spark_conf={"spark.task.resource.gpu.amount": "1"},
-        config=build_config(num_processes=4, local_mode=False, mode="fsdp", use_gpu=False,
-                            timeout_s=60.0, start_timeout_s=30.0, env={"A": "x=y"}),
+        config=build_config(
+            num_processes=4,
+            local_mode=False,
+            mode="fsdp",
+            use_gpu=False,
+            timeout_s=60.0,
+            start_timeout_s=30.0,
+            env={"A": "x=y"},
+        ),
     )
 
 
 def test_request_becomes_the_distributors_config(in_tmp):
     config_path = str(REPO / "conf/deepspeed/zero2.json")
-    request = parse("-n", "3", "--cpu", "--timeout", "9", "--start-timeout", "8",
-                    "--env", "A=1", "--max-restarts", "2",
-                    "--deepspeed-config", config_path, "--checkpoint-dir", "ckpt",
-                    "--heartbeat-timeout", "7", "--no-mlflow", "--requirement", "numpy",
-                    "--requirement", "pandas==2.2.0", "train.py")
+    request = parse(
+        "-n",
+        "3",
+        "--cpu",
+        "--timeout",
+        "9",
+        "--start-timeout",
+        "8",
+        "--env",
+        "A=1",
+        "--max-restarts",
+        "2",
+        "--deepspeed-config",
+        config_path,
+        "--checkpoint-dir",
+        "ckpt",
+        "--heartbeat-timeout",
+        "7",
+        "--no-mlflow",
+        "--requirement",
+        "numpy",
+        "--requirement",
+        "pandas==2.2.0",
+        "train.py",
+    )
     distributor = make_distributor(request)
     config = distributor.config
     assert config == request.config
@@ -199,8 +246,9 @@ def test_dry_run_prints_the_plan_and_starts_nothing(tmp_path, capsys, monkeypatc
     script.write_text("print('never runs')\n")
     monkeypatch.setenv("SPARKDIST_MLFLOW", "0")
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    code = cli.main(["run", "-n", "3", "--cpu", "--timeout", "60", "--dry-run", str(script),
-                     "--", "--lr", "1"])
+    code = cli.main(
+        ["run", "-n", "3", "--cpu", "--timeout", "60", "--dry-run", str(script), "--", "--lr", "1"]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert f"plan: {script} on 3 rank(s), mode=ddp" in out

@@ -1,7 +1,9 @@
-"""The test command also lints, format-checks and type-checks the package, so CI enforces them.
+"""The test command also lints, format-checks and type-checks the code, so CI enforces them.
 
-Each tool runs as this interpreter's module (the versions pinned in the ``test`` extra) over
-``sparkdist/`` only; the output is shown when a check fails.
+Each tool runs as this interpreter's module (the versions pinned in the ``test`` extra); the
+output is shown when a check fails. ruff covers the package and the code beside it (tests,
+benchmarks, examples: users copy the examples, and a shadowed import in a test hides what it
+tests); mypy --strict covers the package only, the promise ``py.typed`` makes.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
+#: What ruff reads: the package, and the code beside it that must stay as clean.
+LINTED = ["sparkdist", "tests", "benchmarks", "examples"]
+
 CHECKS = {
-    "ruff check": [sys.executable, "-m", "ruff", "check", "--no-cache", "sparkdist"],
+    "ruff check": [sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED],
     "ruff format --check": [
-        sys.executable, "-m", "ruff", "format", "--check", "--no-cache", "sparkdist",
+        sys.executable,
+        "-m",
+        "ruff",
+        "format",
+        "--check",
+        "--no-cache",
+        *LINTED,
     ],
     "mypy --strict": [sys.executable, "-m", "mypy", "--strict", "sparkdist"],
 }

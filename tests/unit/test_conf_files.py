@@ -21,8 +21,10 @@ def test_every_spark_default_is_commented_just_above_it():
         if line.strip() and not line.lstrip().startswith("#"):
             above = lines[number - 1].strip()
             # A setting follows its own comment, or a sibling setting its comment covers.
-            assert above.startswith("#") or above.split()[0].rsplit(".", 1)[0] == \
-                line.split()[0].rsplit(".", 1)[0], f"line {number + 1} has no comment: {line}"
+            assert (
+                above.startswith("#")
+                or above.split()[0].rsplit(".", 1)[0] == line.split()[0].rsplit(".", 1)[0]
+            ), f"line {number + 1} has no comment: {line}"
 
 
 def test_spark_defaults_schedule_one_rank_per_gpu_in_a_barrier_stage():
@@ -60,7 +62,10 @@ def test_log4j2_keeps_spark_at_warn():
 
 def test_fake_discovery_script_prints_spark_resource_json():
     out = subprocess.run(
-        [str(CONF / "fakeGpusResources.sh")], capture_output=True, text=True, check=True,
+        [str(CONF / "fakeGpusResources.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
         env={"SPARKDIST_FAKE_GPUS": "3", "PATH": "/usr/bin:/bin"},
     ).stdout
     assert json.loads(out) == {"name": "gpu", "addresses": ["0", "1", "2"]}

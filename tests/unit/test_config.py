@@ -43,10 +43,15 @@ def test_mode_parses_names_case_insensitively():
 def test_torch_distributor_keeps_pysparks_signature_and_defaults():
     import inspect
 
-    defaults = {name: p.default for name, p in
-                inspect.signature(TorchDistributor).parameters.items()}
-    assert defaults == {"num_processes": 1, "local_mode": True, "use_gpu": True,
-                        "_ssl_conf": "pytorch.spark.distributor.ignoreSsl"}
+    defaults = {
+        name: p.default for name, p in inspect.signature(TorchDistributor).parameters.items()
+    }
+    assert defaults == {
+        "num_processes": 1,
+        "local_mode": True,
+        "use_gpu": True,
+        "_ssl_conf": "pytorch.spark.distributor.ignoreSsl",
+    }
     dist = TorchDistributor(4, True, False)
     assert (dist.num_processes, dist.local_mode, dist.use_gpu) == (4, True, False)
     assert (dist.num_tasks, dist.input_params["num_tasks"]) == (4, 4)

@@ -127,9 +127,7 @@ def _children() -> set[int]:
 
 
 @pytest.mark.parametrize(("options", "error", "needles"), CASES, ids=map(_case_id, CASES))
-def test_a_bad_option_is_refused_naming_it_the_value_and_what_is_accepted(
-    options, error, needles
-):
+def test_a_bad_option_is_refused_naming_it_the_value_and_what_is_accepted(options, error, needles):
     doors = [
         lambda: build_config(**options),
         lambda: Distributor(**options),
@@ -246,19 +244,33 @@ def test_a_bad_env_is_refused_before_any_process_starts(tmp_path, capsys):
 
 
 def test_every_variable_the_launcher_sets_is_one_env_may_not_set():
-    seat = RankSeat(rank=1, local_rank=1, node_rank=0, world_size=2, local_world_size=2,
-                    num_nodes=1)
-    env = worker_env({}, seat, master_addr="h", run_id="r", restart_count=0, max_restarts=0,
-                     cuda_visible_devices="0,1", mode="deepspeed", host="h")
+    seat = RankSeat(
+        rank=1, local_rank=1, node_rank=0, world_size=2, local_world_size=2, num_nodes=1
+    )
+    env = worker_env(
+        {},
+        seat,
+        master_addr="h",
+        run_id="r",
+        restart_count=0,
+        max_restarts=0,
+        cuda_visible_devices="0,1",
+        mode="deepspeed",
+        host="h",
+    )
     defaulted = {"OMP_NUM_THREADS"}  # setdefault: the user's value wins
     assert all(launcher_owns(name) for name in set(env) - defaulted), set(env) - defaulted
     assert not any(launcher_owns(name) for name in defaulted | {"DS_ACCELERATOR", "NCCL_DEBUG"})
     # The agent's bootstrap variables and the worker's spellings of them agree.
     from sparkdist._node import worker
 
-    assert (worker.JOB_FILE_VAR, worker.RESULT_DIR_VAR, worker.CTRL_IN_VAR, worker.CTRL_OUT_VAR,
-            worker.START_TIMEOUT_VAR) == (JOB_FILE_VAR, RESULT_DIR_VAR, CTRL_IN_VAR, CTRL_OUT_VAR,
-                                          START_TIMEOUT_VAR)
+    assert (
+        worker.JOB_FILE_VAR,
+        worker.RESULT_DIR_VAR,
+        worker.CTRL_IN_VAR,
+        worker.CTRL_OUT_VAR,
+        worker.START_TIMEOUT_VAR,
+    ) == (JOB_FILE_VAR, RESULT_DIR_VAR, CTRL_IN_VAR, CTRL_OUT_VAR, START_TIMEOUT_VAR)
     assert {JOB_FILE_VAR, RESULT_DIR_VAR, CTRL_IN_VAR, CTRL_OUT_VAR} <= LAUNCHER_VARS
 
 

@@ -75,7 +75,11 @@ def test_decorator_arguments_become_the_launch_config():
     assert isinstance(module_level_train, DistributedFunction)
     config = module_level_train.config
     assert (config.num_processes, config.local_mode, config.gpu_type, config.timeout_s) == (
-        2, True, "H100", 30)
+        2,
+        True,
+        "H100",
+        30,
+    )
     assert module_level_train.gpus == 2
     assert module_level_train.gpu_type is GPUType.H100
     assert module_level_train.remote is False

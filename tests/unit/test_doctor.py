@@ -56,8 +56,10 @@ def test_check_java(java, text, pyspark, status, fix):
 
 
 def test_version_line_skips_picked_up_notes():
-    output = ("NOTE: Picked up JDK_JAVA_OPTIONS: -XX:+UseSerialGC\n"
-              'openjdk version "17.0.15" 2025-04-15\nOpenJDK Runtime Environment\n')
+    output = (
+        "NOTE: Picked up JDK_JAVA_OPTIONS: -XX:+UseSerialGC\n"
+        'openjdk version "17.0.15" 2025-04-15\nOpenJDK Runtime Environment\n'
+    )
     assert java_major(version_line(output)) == 17
     assert version_line("") == ""
 
@@ -72,8 +74,14 @@ def test_find_java_prefers_java_home(tmp_path):
 
 
 H100 = [Gpu("0", "NVIDIA H100 80GB HBM3"), Gpu("1", "NVIDIA H100 80GB HBM3")]
-CUDA_TORCH = TorchInfo(version="2.13.0+cu128", cuda="12.8", cuda_available=True,
-                       device_count=2, distributed=True, nccl=True)
+CUDA_TORCH = TorchInfo(
+    version="2.13.0+cu128",
+    cuda="12.8",
+    cuda_available=True,
+    device_count=2,
+    distributed=True,
+    nccl=True,
+)
 CPU_TORCH = TorchInfo(version="2.13.0+cpu", distributed=True)
 
 
@@ -83,8 +91,12 @@ CPU_TORCH = TorchInfo(version="2.13.0+cpu", distributed=True)
         ([], CPU_TORCH, Status.NOTE, "no GPU visible (nvidia-smi not found)"),
         (H100, CUDA_TORCH, Status.OK, "2 GPU(s): 0 NVIDIA H100 80GB HBM3, 1 NVIDIA H100"),
         (H100, CPU_TORCH, Status.PROBLEM, "is a CPU build"),
-        (H100, TorchInfo(version="2.13.0+cu128", cuda="12.8", distributed=True),
-         Status.PROBLEM, "cannot use them"),
+        (
+            H100,
+            TorchInfo(version="2.13.0+cu128", cuda="12.8", distributed=True),
+            Status.PROBLEM,
+            "cannot use them",
+        ),
     ],
 )
 def test_check_gpus(gpus, torch, status, words):
@@ -97,8 +109,11 @@ def test_check_gpus(gpus, torch, status, words):
     [
         (CPU_TORCH, Status.OK, "CPU build (no CUDA); backends: gloo"),
         (CUDA_TORCH, Status.OK, "CUDA 12.8 build; backends: gloo, nccl"),
-        (TorchInfo(error="ModuleNotFoundError: No module named 'torch'"), Status.PROBLEM,
-         "does not import"),
+        (
+            TorchInfo(error="ModuleNotFoundError: No module named 'torch'"),
+            Status.PROBLEM,
+            "does not import",
+        ),
         (TorchInfo(version="2.13.0"), Status.PROBLEM, "without torch.distributed"),
     ],
 )
@@ -120,17 +135,33 @@ GPU_CONF = {
         ({}, False, Status.OK, "GPU scheduling off"),
         ({}, True, Status.NOTE, "would train on CPU"),
         (GPU_CONF, False, Status.OK, "2 GPU(s) per executor, 1 per task (1 rank(s) per"),
-        ({**GPU_CONF, "spark.task.resource.gpu.amount": "2"}, True, Status.OK,
-         "(2 rank(s) per barrier task)"),
-        ({**GPU_CONF, "spark.task.resource.gpu.amount": "0.5"}, True, Status.PROBLEM,
-         "needs a whole GPU"),
+        (
+            {**GPU_CONF, "spark.task.resource.gpu.amount": "2"},
+            True,
+            Status.OK,
+            "(2 rank(s) per barrier task)",
+        ),
+        (
+            {**GPU_CONF, "spark.task.resource.gpu.amount": "0.5"},
+            True,
+            Status.PROBLEM,
+            "needs a whole GPU",
+        ),
         ({"spark.task.resource.gpu.amount": "1"}, True, Status.PROBLEM, "is unset"),
         ({"spark.executor.resource.gpu.amount": "8"}, True, Status.NOTE, "tasks ask for none"),
-        ({**GPU_CONF, "spark.dynamicAllocation.enabled": "true"}, True, Status.PROBLEM,
-         "fixed set of executors"),
+        (
+            {**GPU_CONF, "spark.dynamicAllocation.enabled": "true"},
+            True,
+            Status.PROBLEM,
+            "fixed set of executors",
+        ),
         ({**GPU_CONF, "spark.ssl.enabled": "true"}, True, Status.PROBLEM, "not encrypted"),
-        ({**GPU_CONF, "spark.executor.resource.gpu.discoveryScript": "/no/such.sh"}, True,
-         Status.NOTE, "2 GPU(s) per executor"),
+        (
+            {**GPU_CONF, "spark.executor.resource.gpu.discoveryScript": "/no/such.sh"},
+            True,
+            Status.NOTE,
+            "2 GPU(s) per executor",
+        ),
     ],
 )
 def test_check_gpu_conf(conf, gpus_here, status, words):
@@ -156,8 +187,12 @@ def test_judge_probe():
     report = json.dumps({"spark_version": "4.3.0", "python": "/py", "seconds": 6.25})
     ok = judge_probe(0, f"noise\nsparkdist-doctor-probe {report}\n", "WARN x")
     assert ok.status is Status.OK and "Spark 4.3.0" in ok.detail and "6.2 s" in ok.detail
-    failed = judge_probe(1, "", "Traceback...\n  File x\nPySparkRuntimeError: [JAVA_GATEWAY_"
-                                 "EXITED] Java gateway process exited\n")
+    failed = judge_probe(
+        1,
+        "",
+        "Traceback...\n  File x\nPySparkRuntimeError: [JAVA_GATEWAY_"
+        "EXITED] Java gateway process exited\n",
+    )
     assert failed.status is Status.PROBLEM and "JAVA_GATEWAY_EXITED" in failed.detail
     assert judge_probe(-9, "", "").detail.endswith("exit code -9")
 
@@ -188,7 +223,11 @@ def test_read_properties_accepts_spark_separators(tmp_path):
         "spark.a   1\nspark.b=2\nspark.c : three words\n\tspark.d\tx y\nspark.e\n"
     )
     assert read_properties(path) == {
-        "spark.a": "1", "spark.b": "2", "spark.c": "three words", "spark.d": "x y", "spark.e": "",
+        "spark.a": "1",
+        "spark.b": "2",
+        "spark.c": "three words",
+        "spark.d": "x y",
+        "spark.e": "",
     }
 
 

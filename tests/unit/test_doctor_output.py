@@ -35,7 +35,8 @@ def test_start_line(name, note, line):
 
 def test_waiting_line():
     assert waiting_line("spark session", 12.4) == (
-        "doctor: waiting for spark session (running for 12 s) ...")
+        "doctor: waiting for spark session (running for 12 s) ..."
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,8 +47,11 @@ def test_waiting_line():
         (PROBLEM, 0.3, "doctor: java: PROBLEM, no java on PATH (0.3 s)"),
         (Check("gpus", Status.NOTE, "a\n  b"), 0, "doctor: gpus: NOTE, a b"),  # one line
         (Check("x", Status.OK, ""), 0, "doctor: x: OK"),
-        (Check("x", Status.OK, "y" * 300), 0,
-         "doctor: x: OK, " + "y" * (MAX_DETAIL_CHARS - 3) + "..."),
+        (
+            Check("x", Status.OK, "y" * 300),
+            0,
+            "doctor: x: OK, " + "y" * (MAX_DETAIL_CHARS - 3) + "...",
+        ),
     ],
 )
 def test_end_line(check, seconds, line):
@@ -58,12 +62,19 @@ def test_end_line(check, seconds, line):
     ("checks", "line"),
     [
         ([OK, OK], "doctor: ready: 2 OK, 0 note(s), 0 problem(s)"),
-        ([OK, NOTE, NOTE2],
-         "doctor: ready: 1 OK, 2 note(s) (optional: gpus, deepspeed), 0 problem(s)"),
-        ([OK, PROBLEM], "doctor: not ready: 1 OK, 0 note(s), 1 problem(s) (java); fix the "
-         "PROBLEM rows above"),
-        ([NOTE, PROBLEM, PROBLEM2], "doctor: not ready: 0 OK, 1 note(s), 2 problem(s) (java, "
-         "spark session); fix the PROBLEM rows above"),
+        (
+            [OK, NOTE, NOTE2],
+            "doctor: ready: 1 OK, 2 note(s) (optional: gpus, deepspeed), 0 problem(s)",
+        ),
+        (
+            [OK, PROBLEM],
+            "doctor: not ready: 1 OK, 0 note(s), 1 problem(s) (java); fix the PROBLEM rows above",
+        ),
+        (
+            [NOTE, PROBLEM, PROBLEM2],
+            "doctor: not ready: 0 OK, 1 note(s), 2 problem(s) (java, "
+            "spark session); fix the PROBLEM rows above",
+        ),
     ],
 )
 def test_verdict(checks, line):
@@ -84,7 +95,9 @@ def test_printer_writes_each_line_as_it_comes():
     assert stream.flushed[-1] == "doctor: checking java ...\n"  # out before the check runs
     printer.finished(PROBLEM, 0.0)
     assert stream.getvalue().splitlines() == [
-        "doctor: checking java ...", "doctor: java: PROBLEM, no java on PATH"]
+        "doctor: checking java ...",
+        "doctor: java: PROBLEM, no java on PATH",
+    ]
 
 
 def test_printer_survives_a_closed_stream():

@@ -49,8 +49,11 @@ def failure(rank, exc_type="ValueError", message="boom", traceback="", host="h",
         ([failure(1)], 1, "rank 1 failed: ValueError: boom"),
         ([failure(0), failure(2)], 2, "ranks 0, 2 failed: ValueError: boom"),
         # The root cause's group comes first, whatever the rank order.
-        ([failure(0, "RuntimeError", "peer reset"), failure(3)], 3,
-         "rank 3 failed: ValueError: boom"),
+        (
+            [failure(0, "RuntimeError", "peer reset"), failure(3)],
+            3,
+            "rank 3 failed: ValueError: boom",
+        ),
         ([failure(0, "", "exited with code 3", code=3)], 0, "rank 0 failed: exited with code 3"),
         ([failure(1, "", "killed by SIGKILL", code=-9)], 1, "rank 1 failed: killed by SIGKILL"),
         # A long or multi-line message: its first line, cut.
@@ -67,11 +70,15 @@ def test_first_line_names_the_failed_ranks(failures, root, first_line):
 @pytest.mark.parametrize(
     ("failures", "line"),
     [
-        ([failure(1), failure(0, "RuntimeError", "peer reset")],
-         "rank 0 failed too (often in consequence, e.g. a peer lost in a collective): "
-         "RuntimeError: peer reset"),
-        ([failure(1), failure(0, "E", "x"), failure(2, "E", "x")],
-         "ranks 0, 2 failed too (often in consequence, e.g. a peer lost in a collective): E: x"),
+        (
+            [failure(1), failure(0, "RuntimeError", "peer reset")],
+            "rank 0 failed too (often in consequence, e.g. a peer lost in a collective): "
+            "RuntimeError: peer reset",
+        ),
+        (
+            [failure(1), failure(0, "E", "x"), failure(2, "E", "x")],
+            "ranks 0, 2 failed too (often in consequence, e.g. a peer lost in a collective): E: x",
+        ),
     ],
 )
 def test_other_errors_follow_grouped(failures, line):
@@ -84,8 +91,10 @@ def test_other_errors_follow_grouped(failures, line):
     [
         ([failure(1, host="hostA", code=1)], "where: rank 1 on hostA, exit code 1"),
         ([failure(1, host="", code=None)], "where: rank 1"),
-        ([failure(2, host="hostA"), failure(0, host="hostB")],
-         "where: rank 2 on hostA, the first to fail, exit code 1"),
+        (
+            [failure(2, host="hostA"), failure(0, host="hostB")],
+            "where: rank 2 on hostA, the first to fail, exit code 1",
+        ),
     ],
 )
 def test_where_line(failures, where):
@@ -131,40 +140,58 @@ def test_last_lines_and_attempts_follow():
     ]
 
 
-HIDE = (lambda path: "/sparkdist/" in path)  # noqa: E731 - the rule under test is elsewhere
+HIDE = lambda path: "/sparkdist/" in path  # noqa: E731 - the rule under test is elsewhere
 
 
 @pytest.mark.parametrize(
     ("text", "kept", "dropped"),
     [
         # No frame of sparkdist: unchanged.
-        ('Traceback (most recent call last):\n  File "/u/a.py", line 1, in f\n    g()\nE: x\n',
-         'Traceback (most recent call last):\n  File "/u/a.py", line 1, in f\n    g()\nE: x\n', 0),
+        (
+            'Traceback (most recent call last):\n  File "/u/a.py", line 1, in f\n    g()\nE: x\n',
+            'Traceback (most recent call last):\n  File "/u/a.py", line 1, in f\n    g()\nE: x\n',
+            0,
+        ),
         # sparkdist's frames in the middle go, with their source and caret lines.
-        ('  File "/u/a.py", line 1, in f\n    g()\n  File "/s/sparkdist/x.py", line 2, in g\n'
-         '    h()\n    ^^^\n  File "/u/b.py", line 3, in cb\n    raise E\nE: x',
-         '  File "/u/a.py", line 1, in f\n    g()\n  File "/u/b.py", line 3, in cb\n'
-         '    raise E\nE: x', 1),
+        (
+            '  File "/u/a.py", line 1, in f\n    g()\n  File "/s/sparkdist/x.py", line 2, in g\n'
+            '    h()\n    ^^^\n  File "/u/b.py", line 3, in cb\n    raise E\nE: x',
+            '  File "/u/a.py", line 1, in f\n    g()\n  File "/u/b.py", line 3, in cb\n'
+            "    raise E\nE: x",
+            1,
+        ),
         # Every frame is sparkdist's: nothing hidden (an empty traceback says less).
-        ('  File "/s/sparkdist/x.py", line 2, in g\n    h()\nE: x',
-         '  File "/s/sparkdist/x.py", line 2, in g\n    h()\nE: x', 0),
+        (
+            '  File "/s/sparkdist/x.py", line 2, in g\n    h()\nE: x',
+            '  File "/s/sparkdist/x.py", line 2, in g\n    h()\nE: x',
+            0,
+        ),
         # A recursion note belongs to the frame before it.
-        ('  File "/u/a.py", line 1, in f\n    g()\n  File "/s/sparkdist/x.py", line 2, in g\n'
-         '    g()\n  [Previous line repeated 996 more times]\nRecursionError: deep',
-         '  File "/u/a.py", line 1, in f\n    g()\nRecursionError: deep', 1),
+        (
+            '  File "/u/a.py", line 1, in f\n    g()\n  File "/s/sparkdist/x.py", line 2, in g\n'
+            "    g()\n  [Previous line repeated 996 more times]\nRecursionError: deep",
+            '  File "/u/a.py", line 1, in f\n    g()\nRecursionError: deep',
+            1,
+        ),
         # Chained exceptions: each part is filtered; the chaining lines stay.
-        ('Traceback (most recent call last):\n  File "/s/sparkdist/x.py", line 2, in g\n'
-         '    h()\nKeyError: k\n\nDuring handling of the above exception, another exception '
-         'occurred:\n\nTraceback (most recent call last):\n  File "/u/a.py", line 1, in f\n'
-         '    g()\nE: x',
-         'Traceback (most recent call last):\nKeyError: k\n\nDuring handling of the above '
-         'exception, another exception occurred:\n\nTraceback (most recent call last):\n'
-         '  File "/u/a.py", line 1, in f\n    g()\nE: x', 1),
+        (
+            'Traceback (most recent call last):\n  File "/s/sparkdist/x.py", line 2, in g\n'
+            "    h()\nKeyError: k\n\nDuring handling of the above exception, another exception "
+            'occurred:\n\nTraceback (most recent call last):\n  File "/u/a.py", line 1, in f\n'
+            "    g()\nE: x",
+            "Traceback (most recent call last):\nKeyError: k\n\nDuring handling of the above "
+            "exception, another exception occurred:\n\nTraceback (most recent call last):\n"
+            '  File "/u/a.py", line 1, in f\n    g()\nE: x',
+            1,
+        ),
         # An exception group's margins count as indentation.
-        ('  | Traceback (most recent call last):\n  |   File "/s/sparkdist/x.py", line 2, in g\n'
-         '  |     h()\n  |   File "/u/a.py", line 1, in f\n  |     raise E\n  | E: x',
-         '  | Traceback (most recent call last):\n  |   File "/u/a.py", line 1, in f\n'
-         '  |     raise E\n  | E: x', 1),
+        (
+            '  | Traceback (most recent call last):\n  |   File "/s/sparkdist/x.py", line 2, in g\n'
+            '  |     h()\n  |   File "/u/a.py", line 1, in f\n  |     raise E\n  | E: x',
+            '  | Traceback (most recent call last):\n  |   File "/u/a.py", line 1, in f\n'
+            "  |     raise E\n  | E: x",
+            1,
+        ),
     ],
 )
 def test_hide_frames(text, kept, dropped):
@@ -193,10 +220,12 @@ def test_is_sparkdist_file(path, hidden):
         ("Traceback (most recent call last):\n  File ...\nE: x\n", "  File ...\nE: x\n"),
         ("E: x\n", "E: x\n"),
         # Chained: the first frames are an earlier exception's, so the header stays.
-        ("Traceback (most recent call last):\n  File ...\nK: k\n\nThe above exception was the "
-         "direct cause of the following exception:\n\nTraceback (most recent call last):\nE: x",
-         "Traceback (most recent call last):\n  File ...\nK: k\n\nThe above exception was the "
-         "direct cause of the following exception:\n\nTraceback (most recent call last):\nE: x"),
+        (
+            "Traceback (most recent call last):\n  File ...\nK: k\n\nThe above exception was the "
+            "direct cause of the following exception:\n\nTraceback (most recent call last):\nE: x",
+            "Traceback (most recent call last):\n  File ...\nK: k\n\nThe above exception was the "
+            "direct cause of the following exception:\n\nTraceback (most recent call last):\nE: x",
+        ),
     ],
 )
 def test_without_header(text, shown):
@@ -225,7 +254,8 @@ def test_public_errors_present_as_sparkdist_and_pickle(error):
     name = type(error).__name__
     assert type(error).__module__ == "sparkdist" and getattr(sparkdist, name) is type(error)
     assert f"sparkdist.{name}:" in "".join(
-        __import__("traceback").format_exception_only(type(error), error))
+        __import__("traceback").format_exception_only(type(error), error)
+    )
     for dumps, loads in ((pickle.dumps, pickle.loads), (cloudpickle.dumps, cloudpickle.loads)):
         again = loads(dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
@@ -237,7 +267,12 @@ def test_errors_round_trip_through_a_fresh_interpreter():
         "print(type(error).__module__, type(error).__name__, str(error).splitlines()[0])"
     )
     for error in PUBLIC_ERRORS:
-        done = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(error),
-                              capture_output=True, check=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            input=pickle.dumps(error),
+            capture_output=True,
+            check=True,
+            timeout=60,
+        )
         expected = f"sparkdist {type(error).__name__} {str(error).splitlines()[0]}"
         assert done.stdout.decode().strip() == expected

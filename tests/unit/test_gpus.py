@@ -25,14 +25,17 @@ def fake_smi(tmp_path, monkeypatch):
     gpus.forget_listing()
 
 
-@pytest.mark.parametrize(("mask", "expected"), [
-    (None, [Gpu("0", "NVIDIA H100"), Gpu("1", "NVIDIA A10G")]),
-    ("1", [Gpu("1", "NVIDIA A10G")]),
-    ("1,0", [Gpu("1", "NVIDIA A10G"), Gpu("0", "NVIDIA H100")]),
-    ("0,x,1", [Gpu("0", "NVIDIA H100")]),  # CUDA stops at the first token it cannot parse
-    ("", []),
-    ("7", []),
-])
+@pytest.mark.parametrize(
+    ("mask", "expected"),
+    [
+        (None, [Gpu("0", "NVIDIA H100"), Gpu("1", "NVIDIA A10G")]),
+        ("1", [Gpu("1", "NVIDIA A10G")]),
+        ("1,0", [Gpu("1", "NVIDIA A10G"), Gpu("0", "NVIDIA H100")]),
+        ("0,x,1", [Gpu("0", "NVIDIA H100")]),  # CUDA stops at the first token it cannot parse
+        ("", []),
+        ("7", []),
+    ],
+)
 def test_the_mask_narrows_the_kept_listing_on_every_call(fake_smi, monkeypatch, mask, expected):
     assert len(visible_gpus()) == 2  # listed once, unmasked
     if mask is not None:

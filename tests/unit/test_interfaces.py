@@ -63,8 +63,15 @@ def test_socket_ifname_is_set_unless_the_user_set_it(
 
 def test_worker_env_carries_the_interface_and_keeps_the_users():
     seat = RankSeat(1, 0, 1, 2, 1, 2)
-    args = dict(run_id="r", restart_count=0, max_restarts=0, cuda_visible_devices=None,
-                mode="ddp", host="h1", socket_ifname="eth1")
+    args = dict(
+        run_id="r",
+        restart_count=0,
+        max_restarts=0,
+        cuda_visible_devices=None,
+        mode="ddp",
+        host="h1",
+        socket_ifname="eth1",
+    )
     env = worker_env({}, seat, master_addr="10.0.0.2", **args)
     assert (env[GLOO], env[NCCL]) == ("eth1", "=eth1")
     env = worker_env({NCCL: "ib"}, seat, master_addr="10.0.0.2", extra={GLOO: "bond0"}, **args)
@@ -85,8 +92,12 @@ def test_env_may_set_the_interface_variables():
 
 @pytest.mark.parametrize(
     ("address", "host"),
-    [("10.0.0.2:40123", "10.0.0.2"), ("node-1.example:7077", "node-1.example"),
-     ("[fd00::2]:40123", "fd00::2"), ("node-1", "node-1")],
+    [
+        ("10.0.0.2:40123", "10.0.0.2"),
+        ("node-1.example:7077", "node-1.example"),
+        ("[fd00::2]:40123", "fd00::2"),
+        ("node-1", "node-1"),
+    ],
 )
 def test_task_host(address, host):
     assert task_host(address) == host
@@ -94,8 +105,14 @@ def test_task_host(address, host):
 
 @pytest.mark.parametrize(
     ("host", "literal", "loopback"),
-    [("10.0.0.2", True, False), ("127.0.1.1", True, True), ("::1", True, True),
-     ("fe80::1%eth0", True, False), ("localhost", False, False), ("lab-host1", False, False)],
+    [
+        ("10.0.0.2", True, False),
+        ("127.0.1.1", True, True),
+        ("::1", True, True),
+        ("fe80::1%eth0", True, False),
+        ("localhost", False, False),
+        ("lab-host1", False, False),
+    ],
 )
 def test_literals_and_loopback(host, literal, loopback):
     assert (ip_literal(host) is not None) == literal
@@ -156,45 +173,83 @@ PEERS = {"n0": ["10.0.0.2"], "n1": ["10.0.0.3"]}
 @pytest.mark.parametrize(
     ("case", "kwargs", "table", "expected"),
     [
-        ("local mode: loopback, nothing looked up",
-         dict(host="127.0.0.1", master_host="127.0.0.1", is_master_node=True),
-         Table({"10.0.0.2": "eth0"}), NodeNetwork("127.0.0.1")),
-        ("Spark reached the node at an address it holds",
-         dict(host="10.0.0.3", master_host="10.0.0.2", is_master_node=False),
-         Table({"10.0.0.3": "eth1", "192.168.1.3": "eth0"}),
-         NodeNetwork("10.0.0.2", "10.0.0.3", "eth1")),
-        ("task 0 at its own address",
-         dict(host="10.0.0.2", master_host="10.0.0.2", is_master_node=True,
-              peer_hosts=["10.0.0.3"]),
-         Table({"10.0.0.2": "eth0"}), NodeNetwork("10.0.0.2", "10.0.0.2", "eth0")),
-        ("names: the route toward task 0",
-         dict(host="n1", master_host="n0", is_master_node=False, peer_hosts=["n0"]),
-         Table({"192.168.1.3": "eth0", "10.0.0.3": "eth1"}, PEERS, {"10.0.0.2": "10.0.0.3"}),
-         NodeNetwork("10.0.0.2", "10.0.0.3", "eth1")),
-        ("Debian: task 0's own name is 127.0.1.1 there; routes toward task 1; is told itself",
-         dict(host="n0", master_host="n0", is_master_node=True, peer_hosts=["n1"]),
-         Table({"10.0.0.2": "eth0"}, {"n0": ["127.0.1.1"], "n1": ["10.0.0.3"]}),
-         NodeNetwork("10.0.0.2", "10.0.0.2", "eth0")),
-        ("task 0's name is a side network's address there: not a route to a peer",
-         dict(host="n0", master_host="n0", is_master_node=True, peer_hosts=["n1"]),
-         Table({"198.19.0.2": "side0", "10.0.0.2": "eth0"},
-               {"n0": ["198.19.0.2"], "n1": ["10.0.0.3"]}, {"10.0.0.3": "10.0.0.2"}),
-         NodeNetwork("10.0.0.2", "10.0.0.2", "eth0")),
-        ("a lone task routes toward the driver",
-         dict(host="n0", master_host="n0", is_master_node=True, driver_host="10.0.0.10"),
-         Table({"10.0.0.2": "eth0"}, {"n0": ["127.0.1.1"]}),
-         NodeNetwork("10.0.0.2", "10.0.0.2", "eth0")),
-        ("one host under a name that is loopback everywhere: loopback, no interface",
-         dict(host="n", master_host="n", is_master_node=False, peer_hosts=["n"],
-              driver_host="127.0.0.1"),
-         Table({"10.0.0.2": "eth0"}, {"n": ["127.0.1.1"]}), NodeNetwork("127.0.1.1")),
-        ("task 0's name does not resolve here: it stays a name",
-         dict(host="10.0.0.3", master_host="ghost", is_master_node=False,
-              driver_host="10.0.0.10"),
-         Table({"10.0.0.3": "eth0"}), NodeNetwork("ghost", "10.0.0.3", "eth0")),
-        ("no route to anyone: nothing known",
-         dict(host="n1", master_host="ghost", is_master_node=False),
-         Table({"10.0.0.3": "eth0"}), NodeNetwork("ghost")),
+        (
+            "local mode: loopback, nothing looked up",
+            dict(host="127.0.0.1", master_host="127.0.0.1", is_master_node=True),
+            Table({"10.0.0.2": "eth0"}),
+            NodeNetwork("127.0.0.1"),
+        ),
+        (
+            "Spark reached the node at an address it holds",
+            dict(host="10.0.0.3", master_host="10.0.0.2", is_master_node=False),
+            Table({"10.0.0.3": "eth1", "192.168.1.3": "eth0"}),
+            NodeNetwork("10.0.0.2", "10.0.0.3", "eth1"),
+        ),
+        (
+            "task 0 at its own address",
+            dict(
+                host="10.0.0.2",
+                master_host="10.0.0.2",
+                is_master_node=True,
+                peer_hosts=["10.0.0.3"],
+            ),
+            Table({"10.0.0.2": "eth0"}),
+            NodeNetwork("10.0.0.2", "10.0.0.2", "eth0"),
+        ),
+        (
+            "names: the route toward task 0",
+            dict(host="n1", master_host="n0", is_master_node=False, peer_hosts=["n0"]),
+            Table({"192.168.1.3": "eth0", "10.0.0.3": "eth1"}, PEERS, {"10.0.0.2": "10.0.0.3"}),
+            NodeNetwork("10.0.0.2", "10.0.0.3", "eth1"),
+        ),
+        (
+            "Debian: task 0's own name is 127.0.1.1 there; routes toward task 1; is told itself",
+            dict(host="n0", master_host="n0", is_master_node=True, peer_hosts=["n1"]),
+            Table({"10.0.0.2": "eth0"}, {"n0": ["127.0.1.1"], "n1": ["10.0.0.3"]}),
+            NodeNetwork("10.0.0.2", "10.0.0.2", "eth0"),
+        ),
+        (
+            "task 0's name is a side network's address there: not a route to a peer",
+            dict(host="n0", master_host="n0", is_master_node=True, peer_hosts=["n1"]),
+            Table(
+                {"198.19.0.2": "side0", "10.0.0.2": "eth0"},
+                {"n0": ["198.19.0.2"], "n1": ["10.0.0.3"]},
+                {"10.0.0.3": "10.0.0.2"},
+            ),
+            NodeNetwork("10.0.0.2", "10.0.0.2", "eth0"),
+        ),
+        (
+            "a lone task routes toward the driver",
+            dict(host="n0", master_host="n0", is_master_node=True, driver_host="10.0.0.10"),
+            Table({"10.0.0.2": "eth0"}, {"n0": ["127.0.1.1"]}),
+            NodeNetwork("10.0.0.2", "10.0.0.2", "eth0"),
+        ),
+        (
+            "one host under a name that is loopback everywhere: loopback, no interface",
+            dict(
+                host="n",
+                master_host="n",
+                is_master_node=False,
+                peer_hosts=["n"],
+                driver_host="127.0.0.1",
+            ),
+            Table({"10.0.0.2": "eth0"}, {"n": ["127.0.1.1"]}),
+            NodeNetwork("127.0.1.1"),
+        ),
+        (
+            "task 0's name does not resolve here: it stays a name",
+            dict(
+                host="10.0.0.3", master_host="ghost", is_master_node=False, driver_host="10.0.0.10"
+            ),
+            Table({"10.0.0.3": "eth0"}),
+            NodeNetwork("ghost", "10.0.0.3", "eth0"),
+        ),
+        (
+            "no route to anyone: nothing known",
+            dict(host="n1", master_host="ghost", is_master_node=False),
+            Table({"10.0.0.3": "eth0"}),
+            NodeNetwork("ghost"),
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )
@@ -252,9 +307,20 @@ def test_this_machines_own_address_finds_its_interface():
 
 
 def _spec(**kw):
-    base = dict(run_id="r", job_bytes=b"", node_rank=0, num_nodes=1, processes_per_node=1,
-                master_addr="127.0.0.1", host="127.0.0.1", channel_address=("127.0.0.1", 0),
-                secret="", gpu_addresses=None, mode="ddp", start_timeout_s=5.0)
+    base = dict(
+        run_id="r",
+        job_bytes=b"",
+        node_rank=0,
+        num_nodes=1,
+        processes_per_node=1,
+        master_addr="127.0.0.1",
+        host="127.0.0.1",
+        channel_address=("127.0.0.1", 0),
+        secret="",
+        gpu_addresses=None,
+        mode="ddp",
+        start_timeout_s=5.0,
+    )
     base.update(kw)
     return AgentSpec(**base)
 
@@ -264,8 +330,13 @@ def test_the_agents_decision_in_local_mode_is_loopback():
 
 
 def test_any_loopback_master_means_one_host():
-    spec = _spec(node_rank=1, num_nodes=2, master_addr="127.0.0.2", host="127.0.0.1",
-                 task_hosts=("127.0.0.2", "127.0.0.1"))
+    spec = _spec(
+        node_rank=1,
+        num_nodes=2,
+        master_addr="127.0.0.2",
+        host="127.0.0.1",
+        task_hosts=("127.0.0.2", "127.0.0.1"),
+    )
     assert decide_node_network(spec) == NodeNetwork("127.0.0.2")
 
 

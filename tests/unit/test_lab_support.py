@@ -11,8 +11,14 @@ ALL_TOOLS = {"unshare": True, "nsenter": True, "ip": True, "java": True}
 
 
 def facts(**changes: object) -> LabFacts:
-    base: dict[str, object] = dict(platform="linux", euid=0, tools=ALL_TOOLS,
-                                   max_user_namespaces=1000, disabled=False, trial_error="")
+    base: dict[str, object] = dict(
+        platform="linux",
+        euid=0,
+        tools=ALL_TOOLS,
+        max_user_namespaces=1000,
+        disabled=False,
+        trial_error="",
+    )
     base.update(changes)
     return LabFacts(**base)  # type: ignore[arg-type]
 
@@ -27,11 +33,19 @@ def facts(**changes: object) -> LabFacts:
         ({"platform": "darwin"}, False, "needs Linux namespaces", False),
         ({"tools": {**ALL_TOOLS, "ip": False}}, False, "needs ip on PATH", False),
         ({"tools": {**ALL_TOOLS, "java": False, "nsenter": False}}, False, "nsenter, java", False),
-        ({"trial_error": "unshare: unshare failed: Operation not permitted"}, False,
-         "Operation not permitted", False),
+        (
+            {"trial_error": "unshare: unshare failed: Operation not permitted"},
+            False,
+            "Operation not permitted",
+            False,
+        ),
         # The first thing missing is the reason: tools before permissions.
-        ({"euid": 1000, "max_user_namespaces": 0, "tools": {**ALL_TOOLS, "unshare": False}},
-         False, "needs unshare", True),
+        (
+            {"euid": 1000, "max_user_namespaces": 0, "tools": {**ALL_TOOLS, "unshare": False}},
+            False,
+            "needs unshare",
+            True,
+        ),
     ],
 )
 def test_the_decision_and_its_reason(changes, ok, reason, rootless):
@@ -52,7 +66,11 @@ def test_the_holder_is_one_unshare_that_dies_whole():
 
 
 def test_paths_kept_visible_under_a_hosts_private_tmp_are_the_topmost_ones():
-    assert _topmost(["/tmp/a/venv", "/tmp/a", "/tmp/b", "/tmp/ab"]) == ["/tmp/a", "/tmp/ab", "/tmp/b"]
+    assert _topmost(["/tmp/a/venv", "/tmp/a", "/tmp/b", "/tmp/ab"]) == [
+        "/tmp/a",
+        "/tmp/ab",
+        "/tmp/b",
+    ]
 
 
 def test_name_resolutions_are_a_closed_set():

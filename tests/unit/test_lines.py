@@ -70,8 +70,11 @@ C10D_WARNING = (
     ("line", "dropped"),
     [
         (C10D_WARNING, True),
-        ("[W socket.cpp:697] [c10d] The hostname of the client socket cannot be retrieved. "
-         "err=-2", True),
+        (
+            "[W socket.cpp:697] [c10d] The hostname of the client socket cannot be retrieved. "
+            "err=-2",
+            True,
+        ),
         # Any other c10d line, and the same words outside c10d's prefix, are the rank's.
         ("[W socket.cpp:697] [c10d] The client socket has failed to connect to [h]:1", False),
         ("The hostname of the client socket cannot be retrieved", False),
@@ -85,9 +88,13 @@ def test_the_c10d_hostname_warning_and_nothing_else(line, dropped):
 
 @pytest.mark.parametrize(
     ("environ", "shown"),
-    [({}, False), ({SHOW_C10D_HOSTNAME_WARNING_VAR: "1"}, True),
-     ({SHOW_C10D_HOSTNAME_WARNING_VAR: " Yes "}, True),
-     ({SHOW_C10D_HOSTNAME_WARNING_VAR: "0"}, False), ({SHOW_C10D_HOSTNAME_WARNING_VAR: ""}, False)],
+    [
+        ({}, False),
+        ({SHOW_C10D_HOSTNAME_WARNING_VAR: "1"}, True),
+        ({SHOW_C10D_HOSTNAME_WARNING_VAR: " Yes "}, True),
+        ({SHOW_C10D_HOSTNAME_WARNING_VAR: "0"}, False),
+        ({SHOW_C10D_HOSTNAME_WARNING_VAR: ""}, False),
+    ],
 )
 def test_the_setting_that_shows_it_again(environ, shown):
     assert shows_c10d_hostname_warning(environ) is shown

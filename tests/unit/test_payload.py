@@ -48,8 +48,9 @@ def test_job_round_trips_through_a_fresh_interpreter():
         "import sys, cloudpickle; job = cloudpickle.loads(sys.stdin.buffer.read()); "
         "print(job.fn(*job.args, **job.kwargs))"
     )
-    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=60
+    ).stdout
     assert out.strip() == b"15"
 
 
@@ -92,8 +93,13 @@ def test_an_outcome_holding_a_value_file_crosses_processes_as_bytes(tmp_path):
         "import sys, cloudpickle; o = cloudpickle.loads(sys.stdin.buffer.read()); "
         "print(type(o.value_bytes).__name__, cloudpickle.loads(o.value_bytes))"
     )
-    out = subprocess.run([sys.executable, "-c", code], input=cloudpickle.dumps(outcome),
-                         capture_output=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=cloudpickle.dumps(outcome),
+        capture_output=True,
+        check=True,
+        timeout=60,
+    ).stdout
     assert out.decode().strip() == "bytes [1, 2, 3]"
     value_file.close()
 
@@ -115,15 +121,24 @@ def test_errors_pickle(error):
 
 
 def test_worker_failed_error_message_has_root_cause_traceback_and_last_lines():
-    root = RankFailure(1, "hostA", 1, "ValueError", "boom", "Traceback ...\nValueError: boom\n",
-                       ("step 1", "step 2"))
+    root = RankFailure(
+        1,
+        "hostA",
+        1,
+        "ValueError",
+        "boom",
+        "Traceback ...\nValueError: boom\n",
+        ("step 1", "step 2"),
+    )
     other = RankFailure(0, "hostB", 1, "RuntimeError", "peer died")
     error = WorkerFailedError({0: other, 1: root}, root)
     text = str(error)
     assert text.startswith("rank 1 failed: ValueError: boom\n")
     assert "where: rank 1 on hostA, exit code 1" in text
-    assert ("rank 0 failed too (often in consequence, e.g. a peer lost in a collective): "
-            "RuntimeError: peer died") in text
+    assert (
+        "rank 0 failed too (often in consequence, e.g. a peer lost in a collective): "
+        "RuntimeError: peer died"
+    ) in text
     assert "Traceback ...\nValueError: boom" in text
     assert "  step 2" in text
     assert error.root_cause is root and set(error.failures) == {0, 1}
@@ -156,7 +171,9 @@ def test_unpicklable_argument_inside_a_user_object_is_named():
 
 def test_unpicklable_keyword_argument_in_a_dict_is_named():
     with pytest.raises(ConfigError, match=r"keyword argument 'cfg'\['lock'\]"):
-        dumps_job(Job(kind=TargetKind.FUNCTION, fn=scale, kwargs={"cfg": {"lock": threading.Lock()}}))
+        dumps_job(
+            Job(kind=TargetKind.FUNCTION, fn=scale, kwargs={"cfg": {"lock": threading.Lock()}})
+        )
 
 
 def test_a_function_reading_an_attribute_named_classes_still_pickles():

@@ -129,8 +129,7 @@ def test_non_local_master_without_authentication_warns_once():
     key = "pytorch.spark.distributor.ignoreSsl"
     warnings = check_cluster_conf({"spark.master": "spark://10.0.0.1:7077"}, key)
     assert len(warnings) == 1 and "spark.authenticate=true" in warnings[0]
-    assert check_cluster_conf(
-        {"spark.master": "yarn", "spark.authenticate": "true"}, key) == []
+    assert check_cluster_conf({"spark.master": "yarn", "spark.authenticate": "true"}, key) == []
     assert check_cluster_conf({"spark.master": "local-cluster[2,1,1024]"}, key) == []
 
 
@@ -144,9 +143,16 @@ def test_non_local_master_without_authentication_warns_once():
         ({"spark.master": "local-cluster[2,1,1024]"}, 2),
         ({"spark.master": "local-cluster[2, 4, 1024]", "spark.task.cpus": "2"}, 4),
         ({"spark.master": "yarn"}, None),
-        ({"spark.master": "yarn", "spark.executor.instances": "3",
-          "spark.executor.cores": "8", "spark.executor.resource.gpu.amount": "2",
-          GPU: "1"}, 6),
+        (
+            {
+                "spark.master": "yarn",
+                "spark.executor.instances": "3",
+                "spark.executor.cores": "8",
+                "spark.executor.resource.gpu.amount": "2",
+                GPU: "1",
+            },
+            6,
+        ),
     ],
 )
 def test_barrier_slots_estimated_from_conf(conf, slots):
@@ -178,7 +184,8 @@ DRIVER_GPU = "spark.driver.resource.gpu.amount"
 )
 def test_count_like_pyspark(n, local_mode, use_gpu, conf, driver_gpus, expected):
     counted = count_like_pyspark(
-        n, local_mode=local_mode, use_gpu=use_gpu, conf=conf, driver_gpus=driver_gpus)
+        n, local_mode=local_mode, use_gpu=use_gpu, conf=conf, driver_gpus=driver_gpus
+    )
     assert counted == expected
 
 
@@ -190,9 +197,11 @@ def test_count_like_pyspark(n, local_mode, use_gpu, conf, driver_gpus, expected)
     ],
 )
 def test_count_like_pyspark_lowers_local_ranks_to_the_drivers_gpus(
-        n, conf, driver_gpus, lowered_to, listed):
-    counted = count_like_pyspark(n, local_mode=True, use_gpu=True, conf=conf,
-                                 driver_gpus=driver_gpus)
+    n, conf, driver_gpus, lowered_to, listed
+):
+    counted = count_like_pyspark(
+        n, local_mode=True, use_gpu=True, conf=conf, driver_gpus=driver_gpus
+    )
     assert (counted.num_processes, counted.num_tasks) == (lowered_to, lowered_to)
     assert counted.warning is not None
     assert f"num_processes={n} but the driver has {lowered_to} GPU(s) {listed}" in counted.warning
@@ -216,10 +225,12 @@ def test_count_like_pyspark_lowers_local_ranks_to_the_drivers_gpus(
     ],
 )
 def test_count_like_pyspark_refuses_what_pyspark_refuses(
-        n, local_mode, conf, driver_gpus, error, message):
+    n, local_mode, conf, driver_gpus, error, message
+):
     with pytest.raises(error, match=re.escape(message)) as info:
-        count_like_pyspark(n, local_mode=local_mode, use_gpu=True, conf=conf,
-                           driver_gpus=driver_gpus)
+        count_like_pyspark(
+            n, local_mode=local_mode, use_gpu=True, conf=conf, driver_gpus=driver_gpus
+        )
     # pyspark raises RuntimeError where the conf misses GPUs, ValueError where int() fails.
     assert isinstance(info.value, RuntimeError if error is ClusterError else ValueError)
 

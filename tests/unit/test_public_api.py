@@ -18,12 +18,15 @@ def test_all_lists_exactly_the_public_names():
     # assertion rewriter (the package holds a pytest plugin), which adds names of its own, and
     # other tests import submodules (sparkdist.cli, sparkdist.pytest_plugin...) as a side effect.
     # The names load on first use, so dir() lists them; every one of them must resolve.
-    code = ("import json, sparkdist; "
-            "names = [name for name in dir(sparkdist) if not name.startswith('_')]; "
-            "print(json.dumps([names, [type(getattr(sparkdist, n)).__name__ for n in "
-            "sparkdist.__all__]]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    code = (
+        "import json, sparkdist; "
+        "names = [name for name in dir(sparkdist) if not name.startswith('_')]; "
+        "print(json.dumps([names, [type(getattr(sparkdist, n)).__name__ for n in "
+        "sparkdist.__all__]]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     public, kinds = json.loads(out)
     assert set(sparkdist.__all__) - {"__version__"} == set(public)
     assert len(kinds) == len(sparkdist.__all__)
@@ -38,8 +41,9 @@ def test_import_loads_no_submodule_until_a_name_is_used():
         "from sparkdist import Distributor, runtime; "
         "print(before, 'sparkdist.distributor' in sys.modules, runtime.__name__)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert out.strip() == "['sparkdist'] True sparkdist.runtime"
 
 
@@ -48,8 +52,9 @@ def test_import_loads_no_heavy_dependency():
         "import sys, sparkdist; "
         "print(sorted(m for m in ('torch', 'pyspark', 'deepspeed', 'mlflow') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -57,9 +62,14 @@ def test_runtime_outside_a_rank_describes_a_world_of_one(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK"):
         monkeypatch.delenv(name, raising=False)
     rt = sparkdist.runtime
-    assert (rt.get_global_rank(), rt.get_local_rank(), rt.get_world_size(),
-            rt.get_local_world_size(), rt.get_node_rank(), rt.is_main_process()) == (
-        0, 0, 1, 1, 0, True)
+    assert (
+        rt.get_global_rank(),
+        rt.get_local_rank(),
+        rt.get_world_size(),
+        rt.get_local_world_size(),
+        rt.get_node_rank(),
+        rt.is_main_process(),
+    ) == (0, 0, 1, 1, 0, True)
 
 
 def test_version_comes_from_the_package_metadata_only():

@@ -128,14 +128,25 @@ def test_replica_rank_follows_the_mesh_only_while_its_group_is_up(no_world):
 
 
 def result_of(values: list[object]) -> RunResult:
-    return RunResult(values=values, wall_times_s=[0.0] * len(values), hosts=["h"] * len(values),
-                     run_id="r", mode="ddp", use_gpu=False, local_mode=True, num_tasks=1)
+    return RunResult(
+        values=values,
+        wall_times_s=[0.0] * len(values),
+        hosts=["h"] * len(values),
+        run_id="r",
+        mode="ddp",
+        use_gpu=False,
+        local_mode=True,
+        num_tasks=1,
+    )
 
 
 @pytest.mark.parametrize(
     ("values", "decorator_gets", "distributor_gets"),
-    [([10, 11], [10, 11], 10), ([None], [None], None), ([{"a": 1}, None, 3], [{"a": 1}, None, 3],
-                                                         {"a": 1})],
+    [
+        ([10, 11], [10, 11], 10),
+        ([None], [None], None),
+        ([{"a": 1}, None, 3], [{"a": 1}, None, 3], {"a": 1}),
+    ],
 )
 def test_each_front_door_handle_returns_what_its_blocking_call_returns(
     values, decorator_gets, distributor_gets

@@ -17,9 +17,7 @@ README = REPO / "README.md"
 
 def readme_commands(text: str) -> list[str]:
     """The single line of the ```bash block after each setup-command marker, in order."""
-    found = re.findall(
-        r"<!-- setup-command-(\d) -->\s*\n\s*```bash\n\s*(.+?)\n\s*```", text
-    )
+    found = re.findall(r"<!-- setup-command-(\d) -->\s*\n\s*```bash\n\s*(.+?)\n\s*```", text)
     return [command.strip() for _, command in sorted(found)]
 
 

@@ -1,5 +1,6 @@
 """Issue 12 without Spark: finding and packing local code, version rules and the refusal table,
-naming large captures. (The whole path on local-cluster is in integration/test_shipping_cluster.py.)"""
+naming large captures. (The whole path on local-cluster is in
+integration/test_shipping_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from sparkdist import ClusterError, ConfigError
 from sparkdist._core.config import LaunchConfig
+from sparkdist._core.run_state import Deadlines
 from sparkdist._core.versions import (
     Refusal,
     Requirement,
@@ -31,8 +33,8 @@ from sparkdist._core.versions import (
     unmet_requirements,
     versions_match,
 )
-from sparkdist._core.run_state import Deadlines
 from sparkdist._engine.supervisor import RunMonitor
+from sparkdist._shipping import code as _shipping
 from sparkdist._shipping.code import (
     ModuleRecorder,
     code_imports,
@@ -41,7 +43,6 @@ from sparkdist._shipping.code import (
     shipped_names,
     unpack_code,
 )
-from sparkdist._shipping import code as _shipping
 from sparkdist._wire import protocol
 from sparkdist._wire.captures import check_job_size, largest_captures
 from sparkdist._wire.payload import Job, TargetKind, dumps_job
@@ -91,7 +92,10 @@ def test_code_imports_reads_absolute_relative_and_nested_imports():
         return inner
 
     assert sorted(code_imports(fn.__code__)) == [
-        ("", 1), ("", 2), ("sdu_late", 0), ("sdu_nested.deep", 0)
+        ("", 1),
+        ("", 2),
+        ("sdu_late", 0),
+        ("sdu_nested.deep", 0),
     ]
 
 
@@ -116,14 +120,21 @@ def test_referenced_imported_and_transitive_local_modules_ship_and_nothing_else(
     # Sources only: no bytecode, no data files; numpy (installed), json (stdlib), sparkdist
     # and the unused module stay behind.
     assert _zip_names(data) == [
-        "sdu_dep.py", "sdu_helper.py", "sdu_late.py", "sdu_nested.py",
-        "sdu_pkg/__init__.py", "sdu_pkg/core.py",
+        "sdu_dep.py",
+        "sdu_helper.py",
+        "sdu_late.py",
+        "sdu_nested.py",
+        "sdu_pkg/__init__.py",
+        "sdu_pkg/core.py",
     ]
 
 
 def test_modules_the_ranks_already_see_are_not_shipped(local_code):
     assert pack_local_code(["sdu_helper"], visible_dirs=[str(local_code)]) is None
-    assert pack_local_code(["numpy", "json", "sparkdist._wire.payload", "__main__", "nope_xyz"]) is None
+    assert (
+        pack_local_code(["numpy", "json", "sparkdist._wire.payload", "__main__", "nope_xyz"])
+        is None
+    )
 
 
 def test_too_much_local_source_is_refused_naming_the_largest(local_code, monkeypatch):
@@ -142,7 +153,12 @@ def test_shipped_code_is_imported_first_in_a_fresh_interpreter(local_code, tmp_p
     assert env["PYTHONPATH"] == f"{code_dir}{os.pathsep}/elsewhere"
     out = subprocess.run(
         [sys.executable, "-c", "import sdu_pkg; print(sdu_pkg.g(), sdu_pkg.__file__)"],
-        env=env, cwd=run_dir, capture_output=True, text=True, check=True, timeout=60,
+        env=env,
+        cwd=run_dir,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
     ).stdout.split()
     assert out[0] == "4" and out[1] == os.path.join(code_dir, "sdu_pkg", "__init__.py")
 
@@ -159,6 +175,7 @@ def test_a_failing_hook_never_fails_the_pickling():
 
 
 # -- versions --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("found", "wanted", "major_minor", "match"),
@@ -180,7 +197,9 @@ def test_versions_match(found, wanted, major_minor, match):
 
 def test_requirements_are_parsed_and_normalised():
     assert parse_requirements(["numpy", " pandas==2.2.0 ", "Scikit_Learn==1.5"]) == (
-        "numpy", "pandas==2.2.0", "Scikit_Learn==1.5"
+        "numpy",
+        "pandas==2.2.0",
+        "Scikit_Learn==1.5",
     )
     assert parse_requirements(["numpy==1", "NumPy==2"]) == ("NumPy==2",)  # the last one wins
     assert parse_requirements(None) == ()
@@ -219,9 +238,12 @@ def test_expected_requirements_per_mode():
 
 def test_unmet_requirements_name_host_wanted_and_found():
     rows = unmet_requirements(
-        [Requirement("numpy", np.__version__), Requirement("numpy", "1.0", pinned=True),
-         Requirement("sd-absent", None), Requirement("python", "2.7.18",
-                                                     major_minor_only=True)],
+        [
+            Requirement("numpy", np.__version__),
+            Requirement("numpy", "1.0", pinned=True),
+            Requirement("sd-absent", None),
+            Requirement("python", "2.7.18", major_minor_only=True),
+        ],
         "hostA",
     )
     assert rows == [
@@ -236,11 +258,16 @@ def test_unmet_requirements_name_host_wanted_and_found():
 def test_every_nodes_refusal_makes_one_table():
     monitor = RunMonitor(3, 3, Deadlines(start_timeout_s=60.0))
     for node, host in ((0, "hostA"), (1, "hostB")):
-        monitor.on_message(None, protocol.Refused(  # type: ignore[arg-type]
-            node, host, None, ((host, "torch", "2.4.0 (driver)", "2.3.1"),)
-        ))
+        monitor.on_message(
+            None,
+            protocol.Refused(  # type: ignore[arg-type]
+                node, host, None, ((host, "torch", "2.4.0 (driver)", "2.3.1"),)
+            ),
+        )
     monitor.on_message(None, protocol.Refused(2, "hostC", "host C has no H100"))  # type: ignore[arg-type]
-    assert monitor.state.stop_reason == "host hostA lacks the package versions the run needs (torch)"
+    assert (
+        monitor.state.stop_reason == "host hostA lacks the package versions the run needs (torch)"
+    )
     text = refusal_message(monitor.refusals, monitor.state.num_nodes)
     assert text.startswith("the hosts that would run the ranks do not have the packages")
     assert "no rank process was started" in text
@@ -254,8 +281,13 @@ def test_every_nodes_refusal_makes_one_table():
 
 
 def test_a_detached_refusal_travels_in_the_task_error():
-    message = {"t": "refused", "node": 1, "host": "hostB", "reason": None,
-               "rows": [("hostB", "numpy", "==1.0 (pinned)", "2.0")]}
+    message = {
+        "t": "refused",
+        "node": 1,
+        "host": "hostB",
+        "reason": None,
+        "rows": [("hostB", "numpy", "==1.0 (pinned)", "2.0")],
+    }
     error = refusal_error(message)
     assert isinstance(error, ClusterError) and "numpy" in str(error)
     wrapped = RuntimeError(f"Job aborted: PythonException: {error}\n\tat org.apache...")
@@ -265,9 +297,14 @@ def test_a_detached_refusal_travels_in_the_task_error():
 
 def test_requirements_round_trip_through_a_fresh_interpreter():
     data = cloudpickle.dumps((Requirement("torch", "2.4.0", pinned=True),))
-    code = ("import sys, cloudpickle; print(repr(cloudpickle.loads(sys.stdin.buffer.read())))")
-    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True,
-                         check=True, timeout=60).stdout.decode().strip()
+    code = "import sys, cloudpickle; print(repr(cloudpickle.loads(sys.stdin.buffer.read())))"
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=60
+        )
+        .stdout.decode()
+        .strip()
+    )
     assert out == repr((Requirement("torch", "2.4.0", pinned=True),))
     json.dumps(unmet_requirements([Requirement("sd-absent", None)], "h"))  # a channel frame
 
@@ -308,8 +345,9 @@ def test_what_a_partial_binds_is_named():
     def train(table, scale=1):
         return table.sum() * scale
 
-    job = Job(kind=TargetKind.FUNCTION,
-              fn=functools.partial(train, np.ones(2**20 // 8 * 2), scale=3))
+    job = Job(
+        kind=TargetKind.FUNCTION, fn=functools.partial(train, np.ones(2**20 // 8 * 2), scale=3)
+    )
     [(where, _, size), *_] = largest_captures(job)
     assert where == "argument 0 bound by functools.partial" and size >= 2**21
 

@@ -121,8 +121,9 @@ def test_a_killed_builds_lock_is_removed_and_a_live_one_is_not(tmp_path, caplog)
     lock = tmp_path / "py311_cpu" / "fused_adam" / te.LOCK_NAME
     lock.parent.mkdir(parents=True)
     # torch's own lock, taken the way a build takes it, by a process that then "builds".
-    builder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(lock)],
-                               stdout=subprocess.PIPE, text=True)
+    builder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(lock)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert builder.stdout is not None and builder.stdout.readline().strip() == "held"
         stamp = time.time() - OLD

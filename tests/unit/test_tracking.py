@@ -18,15 +18,18 @@ from sparkdist._tracking.tracker import RunTracker, tracking_wanted
 from sparkdist._wire.protocol import Report
 
 
-@pytest.mark.parametrize(("flag", "env", "wanted"), [
-    (None, None, True),
-    (None, "0", False),
-    (None, "off", False),
-    (None, "1", True),
-    (True, "0", True),
-    (False, None, False),
-    (False, "1", False),
-])
+@pytest.mark.parametrize(
+    ("flag", "env", "wanted"),
+    [
+        (None, None, True),
+        (None, "0", False),
+        (None, "off", False),
+        (None, "1", True),
+        (True, "0", True),
+        (False, None, False),
+        (False, "1", False),
+    ],
+)
 def test_mlflow_argument_wins_over_the_environment(monkeypatch, flag, env, wanted):
     if env is None:
         monkeypatch.delenv("SPARKDIST_MLFLOW", raising=False)
@@ -54,17 +57,30 @@ def test_store_is_explicit_then_environment_then_sqlite_in_the_working_directory
 
 
 def test_outcome_tags_name_the_root_cause():
-    root = RankFailure(rank=3, host="node-b", exit_code=1, exc_type="builtins.ValueError",
-                       message="bad batch")
+    root = RankFailure(
+        rank=3, host="node-b", exit_code=1, exc_type="builtins.ValueError", message="bad batch"
+    )
     status, tags = outcome_tags(WorkerFailedError({3: root}, root))
     assert status == "FAILED"
-    assert {k: tags[k] for k in ("sparkdist.outcome", "sparkdist.root_cause_rank",
-                                 "sparkdist.root_cause_type", "sparkdist.root_cause_host")} == {
-        "sparkdist.outcome": "failed", "sparkdist.root_cause_rank": "3",
-        "sparkdist.root_cause_type": "builtins.ValueError", "sparkdist.root_cause_host": "node-b"}
+    assert {
+        k: tags[k]
+        for k in (
+            "sparkdist.outcome",
+            "sparkdist.root_cause_rank",
+            "sparkdist.root_cause_type",
+            "sparkdist.root_cause_host",
+        )
+    } == {
+        "sparkdist.outcome": "failed",
+        "sparkdist.root_cause_rank": "3",
+        "sparkdist.root_cause_type": "builtins.ValueError",
+        "sparkdist.root_cause_host": "node-b",
+    }
     killed = RankFailure(rank=0, host="", exit_code=-9, exc_type="", message="killed")
-    assert outcome_tags(WorkerFailedError({0: killed}, killed))[1][
-        "sparkdist.root_cause_type"] == "exit code -9"
+    assert (
+        outcome_tags(WorkerFailedError({0: killed}, killed))[1]["sparkdist.root_cause_type"]
+        == "exit code -9"
+    )
     assert outcome_tags(None) == ("FINISHED", {"sparkdist.outcome": "succeeded"})
     assert outcome_tags(concurrent.futures.CancelledError("stop"))[0] == "KILLED"
     status, tags = outcome_tags(RunTimeoutError("the run exceeded timeout_s=5"))
@@ -77,8 +93,11 @@ def report(rank, step, **metrics):
 
 def test_lowest_reporting_rank_counts_and_no_step_counts_twice(monkeypatch):
     monkeypatch.setattr("sys.stderr", io.StringIO())
-    tracker = RunTracker(LaunchConfig(num_processes=2, mlflow=False),
-                         Placement(num_tasks=1, processes_per_task=2, use_gpu=False), "r1")
+    tracker = RunTracker(
+        LaunchConfig(num_processes=2, mlflow=False),
+        Placement(num_tasks=1, processes_per_task=2, use_gpu=False),
+        "r1",
+    )
     tracker.on_report(report(1, 1, loss=101.0))  # rank 1 happens to arrive first
     tracker.on_report(report(0, 1, loss=1.0))  # rank 0 takes over, but step 1 was taken
     assert tracker.last_metrics == {"loss": 101.0}
