@@ -131,9 +131,20 @@ class NodeDone:
 
 @dataclass(frozen=True)
 class NodeLost:
-    """A node's connection dropped before its goodbye."""
+    """A node's connection dropped before its goodbye, or went silent.
+
+    Attributes:
+        node: the node.
+        last_heard: wall-clock time of its last word on the channel (a beat counts): the
+            moment it is known to have gone wrong at the latest, compared with the ranks' own
+            failure times for the root cause (0.0: unknown).
+        how: what the driver saw ("its control channel closed without a goodbye", "it sent
+            nothing for 10.0 s").
+    """
 
     node: int
+    last_heard: float = 0.0
+    how: str = ""
 
 
 @dataclass(frozen=True)
@@ -242,7 +253,9 @@ class RunState:
         self.hung_since: dict[int, float] = {}
         self.failure_seen_at: dict[int, float] = {}
         self.refusals: list[str] = []
-        self.lost_nodes: list[int] = []
+        self.lost_nodes: list[int] = []  # in the order contact was lost
+        self.lost_heard: dict[int, float] = {}
+        self.lost_how: dict[int, str] = {}
         self.done_nodes: set[int] = set()
         self.dropped_lines = 0
         self.data_error: str | None = None
@@ -285,8 +298,10 @@ class RunState:
         return min(times) if times else None
 
     def expected_goodbyes(self) -> int:
-        """How many nodes' goodbyes to wait for once the agents ended."""
-        return self.num_nodes if self.agents_failed else len(self.node_hosts)
+        """How many nodes' goodbyes to wait for once the agents ended (a lost node says
+        none)."""
+        expected = self.num_nodes if self.agents_failed else len(self.node_hosts)
+        return max(0, expected - len(self.lost_nodes))
 
     def silent_nodes(self) -> list[int]:
         """Nodes that reached the channel and have not said bye (their output may be partial)."""
@@ -324,10 +339,21 @@ class RunState:
         elif isinstance(event, NodeDone):
             self.done_nodes.add(event.node)
             self.dropped_lines += event.dropped_lines
+            self._cancel_once_only_lost_remain(decisions)
         elif isinstance(event, NodeLost):
-            if event.node not in self.done_nodes:
+            if event.node not in self.done_nodes and event.node not in self.lost_nodes:
                 self.lost_nodes.append(event.node)
-                self._stop(StopCause.NODE_LOST, f"lost contact with node {event.node}", decisions)
+                self.lost_heard[event.node] = event.last_heard
+                self.lost_how[event.node] = event.how
+                host = self.node_hosts.get(event.node)
+                self._stop(
+                    StopCause.NODE_LOST,
+                    f"lost contact with node {event.node}"
+                    + (f" ({host})" if host else "")
+                    + (f": {event.how}" if event.how else ""),
+                    decisions,
+                )
+                self._cancel_once_only_lost_remain(decisions)
         elif isinstance(event, CancelRequested):
             self._stop(StopCause.CANCELLED, event.reason, decisions, override=True)
         elif isinstance(event, AgentsEnded):
@@ -337,6 +363,16 @@ class RunState:
         return decisions
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _cancel_once_only_lost_remain(self, decisions: list[Decision]) -> None:
+        """With a node lost, once every other node that reached the channel said bye, nothing
+        more can come: the lost node's task never ends on its own (a cut-off executor stays
+        "running" until Spark's own timeouts, minutes), so the stage goes now."""
+        if not self.lost_nodes or self.stage_cancelled:
+            return
+        if set(self.node_hosts) <= self.done_nodes | set(self.lost_nodes):
+            self.stage_cancelled = True
+            decisions.append(CancelStage())
 
     def _start_deadline_applies(self) -> bool:
         stage = self.start_stage()

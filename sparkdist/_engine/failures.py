@@ -8,6 +8,7 @@ Non-goals: deciding when an attempt ended (``supervisor``, ``_core.run_state``).
 from __future__ import annotations
 
 import concurrent.futures
+import re
 from collections.abc import Mapping
 
 from sparkdist._core.errors import (
@@ -20,6 +21,13 @@ from sparkdist._core.errors import (
 from sparkdist._core.run_state import FailureTiming, RunState, StopCause, root_cause
 from sparkdist._node.detached import failures_in
 from sparkdist._wire.payload import Outcome, loads
+
+#: Spark's words for a task whose executor went away (``ExecutorLostFailure (executor 2
+#: exited ...) Reason: ...``), and for the executor's JVM gone under a task.
+_EXECUTOR_LOST = re.compile(
+    r"ExecutorLostFailure.*|Executor heartbeat timed out.*|"
+    r"Remote RPC client disassociated.*"
+)
 
 
 def caller_stop_error(cause: StopCause | None, reason: str) -> BaseException:
@@ -59,9 +67,12 @@ def stage_failure(
         for rank in state.failed_ranks
     }
     per_node = state.world_size // max(state.num_nodes, 1)
+    spark_saw = spark_view(str(error))
     for node in state.lost_nodes:
         host = state.node_hosts.get(node, "")
-        for rank in range(node * per_node, (node + 1) * per_node):
+        ranks = range(node * per_node, (node + 1) * per_node)
+        how = state.lost_how.get(node) or "its control channel closed without a goodbye"
+        for rank in ranks:
             failures.setdefault(
                 rank,
                 RankFailure(
@@ -69,8 +80,11 @@ def stage_failure(
                     host=host,
                     exit_code=None,
                     exc_type="",
-                    message=f"lost with its node {node} (the executor or its Python worker died): "
-                    f"{summary}",
+                    message=f"lost with its node {node} (host {host or '?'}, rank(s) "
+                    f"{ranks.start}-{ranks.stop - 1}): the driver saw that {how}; {spark_saw}",
+                    # Its last word: it went wrong after that, and anything a healthy node's
+                    # ranks did when it vanished (a peer's reset in gloo) comes later.
+                    failed_at=state.lost_heard.get(node) or None,
                 ),
             )
     if failures:
@@ -84,6 +98,17 @@ def stage_failure(
     cluster = ClusterError(f"{where} failed before the ranks reported: {summary}; {hint}")
     cluster.__cause__ = error
     return cluster
+
+
+def spark_view(stage_error: str) -> str:
+    """What Spark's own error says of a lost node, in a clause: its executor lost too (with
+    Spark's reason), or not (yet): a cut-off executor stays "running" for Spark until its
+    heartbeat timeout, minutes later."""
+    for line in stage_error.splitlines():
+        found = _EXECUTOR_LOST.search(line)
+        if found is not None:
+            return f"Spark saw its executor lost too ({found.group(0)[:300]})"
+    return "Spark had not yet seen its executor lost when sparkdist ended the stage"
 
 
 def failure_error(
@@ -113,12 +138,20 @@ def root_of(
     timings = []
     for rank, failure in failures.items():
         outcome = by_rank.get(rank)
-        ended_at = outcome.ended_at if outcome is not None else 0.0
+        ended_at = (outcome.ended_at if outcome is not None else 0.0) or state.failure_seen_at.get(
+            rank, 0.0
+        )
+        failed_at = failure.failed_at
+        if failed_at is None and state.lost_nodes and ended_at:
+            # Against a lost node (its time: its last word), a rank's exit as its agent saw it
+            # counts as it is, without the credit an abrupt death gets: a healthy node's rank
+            # that died of the lost node's vanishing (a reset in gloo) exits after that word.
+            failed_at = ended_at
         timings.append(
             FailureTiming(
                 rank=rank,
-                failed_at=failure.failed_at,
-                ended_at=ended_at or state.failure_seen_at.get(rank, 0.0),
+                failed_at=failed_at,
+                ended_at=ended_at,
                 aborted=outcome.aborted if outcome is not None else False,
                 hung_since=state.hung_since.get(rank),
             )

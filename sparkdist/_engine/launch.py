@@ -222,8 +222,7 @@ class Launch:
             expects_rows=self._dataframe is not None,
         )
         self._tracker.attach(monitor)  # before any agent can ask for the rendezvous
-        server = ChannelServer(host, secret, monitor.on_message, monitor.on_disconnect)
-        monitor.server = server
+        server = monitor.open_channel(host, secret, self.config.heartbeat_timeout_s)
         template = dataclasses.replace(
             self._template,
             channel_address=(host, 0 if self._backend.detached else server.port),  # 0: no channel

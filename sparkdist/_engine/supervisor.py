@@ -56,6 +56,7 @@ from sparkdist._engine.rank_lines import warn_output_unconfirmed
 from sparkdist._tracking.run_watch import spawn_timeline
 from sparkdist._wire import protocol
 from sparkdist._wire.channel import ChannelServer, Peer
+from sparkdist._wire.liveness import silence_limit_s
 from sparkdist._wire.payload import Outcome, loads, release_values
 
 logger = logging.getLogger("sparkdist")
@@ -103,6 +104,19 @@ class RunMonitor:
         if expects_rows:  # DataFrame input: the rendezvous waits for every rank's row count
             self.handle(HoldRendezvous())
 
+    def open_channel(
+        self, host: str, secret: str, heartbeat_timeout_s: float | None
+    ) -> ChannelServer:
+        """The attempt's control channel, its messages and lost agents fed to this monitor."""
+        self.server = ChannelServer(
+            host,
+            secret,
+            self.on_message,
+            self.on_disconnect,
+            silence_limit_s=silence_limit_s(heartbeat_timeout_s),
+        )
+        return self.server
+
     node_hosts = property(lambda self: self.state.node_hosts)
     dropped = property(lambda self: self.state.dropped_lines)
 
@@ -126,9 +140,9 @@ class RunMonitor:
                 peer.send(protocol.Abort(self.state.stop_reason))  # a late node
 
     def on_disconnect(self, peer: Peer) -> None:
-        """An agent's connection dropped: before its "bye", its node is lost."""
+        """An agent's connection dropped, or went silent: before its "bye", its node is lost."""
         if peer.node is not None:
-            self.handle(NodeLost(peer.node))
+            self.handle(NodeLost(peer.node, peer.live.heard_wall, lost_how(peer.silent_for)))
 
     def _event_of(self, peer: Peer, message: protocol.Message) -> Event | None:
         """The run-state event an agent's message stands for (None: it changes nothing)."""
@@ -190,6 +204,16 @@ class RunMonitor:
     def _broadcast(self, message: protocol.Message) -> None:
         if self.server is not None:
             self.server.broadcast(message)
+
+
+def lost_how(silent_for: float | None) -> str:
+    """What the driver saw of a node it lost (a node's agent never says this itself)."""
+    if silent_for is None:
+        return "its control channel closed without a goodbye"
+    return (
+        f"it sent nothing, not even a beat, for {silent_for:.1f} s (cut off by a partition, or "
+        "its host froze; heartbeat_timeout_s sets the limit)"
+    )
 
 
 def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) -> list[Outcome]:

@@ -111,6 +111,10 @@ def _add_host(state: _State, request: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError(f"host {name} did not start: {init.stderr.read().decode()[-2000:]}")
     port = f"v-{request['index']}"
     host = _Host(name, init, _netns_of(init.pid), port)
+    for stale in (port, f"x-{request['index']}"):
+        # A killed predecessor's ports outlive it while the kernel tears its namespace down
+        # (later still with connections it left retransmitting): delete them now.
+        subprocess.run(["ip", "link", "del", stale], capture_output=True, timeout=30)
     _sh("ip", "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", str(init.pid))
     _sh("ip", "link", "set", port, "master", BRIDGE, "up")
     _sh(

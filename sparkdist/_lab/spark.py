@@ -233,14 +233,77 @@ class LabCluster:
         )
 
     def restart_host(self, host: str, timeout_s: float = 90.0) -> None:
-        """Bring back a host that a fault killed: fresh namespaces, a Worker, its executor."""
+        """Bring back a host that a fault killed: fresh namespaces, a Worker, and the driver's
+        executors one per host again."""
         if host in self.lab.hosts and any(p["host"] == host for p in self.lab.processes(host)):
             self.lab.kill_host(host)
         self.lab.replace_host(host)
         self._start_worker(host)
         self._wait_for_log(self._log(f"worker-{host}"), _REGISTERED, time.monotonic() + timeout_s)
         if self.driver is not None:
-            self.wait_for_executors(len(self.workers), timeout_s)
+            self._spread_executors(time.monotonic() + timeout_s)
+
+    def heal_host(self, host: str, timeout_s: float = 90.0) -> None:
+        """Bring back a host that was cut off (its processes lived on): its link up, then wait
+        until a barrier job runs on every host again (TCP retransmits at a backed-off pace, so
+        the driver's links to it may take seconds to recover)."""
+        self.lab.heal(host)
+        if self.driver is None:
+            return
+        self.driver.check(
+            f"""
+            import socket
+            from pyspark import BarrierTaskContext
+            def where(_):
+                BarrierTaskContext.get().barrier()
+                yield socket.gethostname()
+            rdd = spark.sparkContext.parallelize(range({len(self.workers)}), {len(self.workers)})
+            result = sorted(rdd.barrier().mapPartitions(where).collect())
+            assert len(set(result)) == len(result), result
+            """,
+            timeout_s=timeout_s,
+        )
+
+    def executor_hosts(self) -> list[str]:
+        """The lab hosts of the driver's executors (a host twice when it runs two)."""
+        assert self.driver is not None
+        addresses = self.driver.check(
+            """
+            keys = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().keys().toList()
+            result = [keys.apply(i).rsplit(":", 1)[0] for i in range(keys.size())]
+            """
+        )
+        by_name = {h.hostname: h.name for h in self.lab.hosts.values()}
+        by_address = {h.address: h.name for h in self.lab.hosts.values()}
+        found = [by_address.get(a) or by_name.get(a, a) for a in addresses]
+        return sorted(h for h in found if h != "driver")  # the driver's own block manager
+
+    def _spread_executors(self, deadline: float) -> None:
+        """Wait for one executor per Worker host. The master replaces a lost executor at once
+        on a live Worker with a free core, so a host may run two until one of them goes; the
+        master then starts its replacement on the Worker with the most free cores (the one
+        that came back)."""
+        while True:
+            hosts = self.executor_hosts()
+            if sorted(set(hosts)) == sorted(self.workers) and len(hosts) == len(self.workers):
+                return
+            if time.monotonic() > deadline:
+                raise LabError(f"the driver's executors are on {hosts}, not one per host")
+            twice = [h for h in set(hosts) if hosts.count(h) > 1]
+            if twice:
+                backends = [
+                    p
+                    for p in self.lab.processes(twice[0])
+                    if any("CoarseGrainedExecutorBackend" in a for a in p["argv"])
+                    and any(a == self.driver_app_id() for a in p["argv"])
+                ]
+                if backends:
+                    self.lab.signal(max(p["pid"] for p in backends), 9)
+            time.sleep(0.5)
+
+    def driver_app_id(self) -> str:
+        assert self.driver is not None
+        return str(self.driver.check("result = spark.sparkContext.applicationId"))
 
 
 def start_lab_cluster(

@@ -40,6 +40,7 @@ from sparkdist._core.files import (
     write_private_file,
 )
 from sparkdist._core.versions import refusal_error
+from sparkdist._node.checkpoint_reach import ReachCheck
 from sparkdist._node.driver_link import DriverLink, tell_driver_once
 from sparkdist._node.interfaces import NodeNetwork, decide_node_network
 from sparkdist._node.outbox import Outbox
@@ -129,6 +130,7 @@ class Agent:
             events=self.events,
         )
         self.network = NodeNetwork(spec.master_addr)  # decided in ``run``, before any spawn
+        self.reach = ReachCheck.of(spec)  # every node sees the same checkpoint_dir?
         self.workers: dict[int, RankHandle] = {}
         self.master_port: int | None = None
         self.aborting = False
@@ -146,6 +148,9 @@ class Agent:
         )
         try:
             refusal = refusal_of(self.spec)
+            problem = self.reach.before_hello() if self.reach and refusal is None else None
+            if problem is not None:
+                refusal = protocol.Refused(self.spec.node_rank, self.spec.host, problem, ())
             if refusal is not None:
                 if not tell_driver_once(self.spec, refusal) and self.all_gather is not None:
                     # Detached: the task's error carries it.
@@ -184,6 +189,8 @@ class Agent:
             for worker in self.workers.values():
                 worker.proc.wait()
             self.link.close()
+            if self.reach is not None:
+                self.reach.close()
             shutil.rmtree(run_dir, ignore_errors=True)
 
     def write_partition(self, batches: Iterator[Any]) -> None:
@@ -260,6 +267,14 @@ class Agent:
                 worker.threads.append(thread)
 
     def _deliver_rendezvous(self, message: protocol.Rendezvous) -> None:
+        problem = self.reach.at_rendezvous() if self.reach is not None else None
+        if problem is not None:
+            # Before any rank trains: the driver names every node that refuses, with the fix.
+            self.link.send_control(
+                protocol.Refused(self.spec.node_rank, self.spec.host, problem, ())
+            )
+            self.events.put(("abort", problem))
+            return
         with self.lock:
             self.master_port = message.master_port
             workers = list(self.workers.values())
@@ -287,7 +302,15 @@ class Agent:
             elif kind == "abort":
                 self._abort(str(payload))
             elif kind == "driver_gone" and not self.link.detached:
-                if self.master_port is None:
+                if payload is not None:
+                    # Silent, not closed: this node is cut off from the driver (or the driver's
+                    # host froze). The driver counts this node lost after the same silence and
+                    # ends the run: whatever the ranks compute now is never collected.
+                    self._abort(
+                        f"the driver sent nothing for {payload:.1f} s (a partition, or its host "
+                        "is gone): this node ends its ranks (heartbeat_timeout_s sets the limit)"
+                    )
+                elif self.master_port is None:
                     # Before the rendezvous the run cannot go on without the driver.
                     self._abort("the driver's control channel closed before the rendezvous")
                 else:

@@ -4,7 +4,8 @@ the hello and bye, and what the driver says back.
 
 What arrives is turned into the agent's terms: a rendezvous goes to ``on_rendezvous`` (which
 hands it to the ranks); an abort, a failed detached rendezvous and the channel closing become
-events on the agent's queue ("abort", "driver_gone"), so the agent's one watching thread
+events on the agent's queue ("abort", "driver_gone" with the seconds of the driver's silence
+when that is what ended the link), so the agent's one watching thread
 decides what they mean.
 
 Non-goals: the channel itself (``_wire``); the detached exchange (``detached``); deciding what
@@ -23,6 +24,7 @@ from sparkdist._node.outbox import Outbox
 from sparkdist._node.spec import AgentSpec
 from sparkdist._wire import protocol
 from sparkdist._wire.channel import ChannelClient, ChannelClosed
+from sparkdist._wire.liveness import silence_limit_s
 
 logger = logging.getLogger("sparkdist")
 
@@ -76,7 +78,8 @@ class DriverLink:
                     address,
                     spec.secret,
                     on_message=self._on_message,
-                    on_close=lambda: self._events.put(("driver_gone", None)),
+                    on_close=lambda silent_for: self._events.put(("driver_gone", silent_for)),
+                    silence_limit_s=silence_limit_s(spec.heartbeat_timeout_s),
                 )
                 return None
             except (OSError, ChannelClosed) as exc:

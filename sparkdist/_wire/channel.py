@@ -18,6 +18,10 @@ agents (TCP then holds their frames, and their droppable output queues fill and 
 sends to an agent never block the sender, and an agent that stops reading is dropped once its
 backlog passes ``peer.MAX_PEER_BACKLOG_BYTES``. ``close`` returns within ``CLOSE_TIMEOUT_S``.
 
+Liveness (``liveness``): the I/O thread sends each agent a beat when nothing else went to it
+for a beat's interval, and, given a silence limit, drops an agent it heard nothing from for
+that long (``Peer.silent_for`` says so; its node is then lost): a cut-off host closes nothing.
+
 Non-goals: what the messages mean (the supervisor and the agent decide), reliability beyond
 TCP. The agent's side is ``client.ChannelClient``.
 """
@@ -38,6 +42,7 @@ from sparkdist._wire import frames, protocol
 from sparkdist._wire.client import ChannelClient, ChannelClosed
 from sparkdist._wire.dispatch import Dispatcher, Item
 from sparkdist._wire.frames import new_secret
+from sparkdist._wire.liveness import BEAT_INTERVAL_S
 from sparkdist._wire.peer import Peer
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
@@ -68,6 +73,8 @@ ACCEPT_BATCH = 64
 CLOSE_TIMEOUT_S = 0.5
 #: Bytes read from one connection per turn (fairness between agents).
 READ_CHUNK = 256 << 10
+#: How often the I/O thread looks for silent agents and beats due.
+PEER_CHECK_INTERVAL_S = BEAT_INTERVAL_S / 4
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 _LISTENER = object()  # the selector's tag for the listening socket (None tags the wake-up)
 
@@ -93,6 +100,7 @@ class ChannelServer:
         on_message: called on the dispatch thread with (peer, message), in each agent's order.
         on_disconnect: called on the dispatch thread when an authenticated agent goes away
             (after its last message), not for the connections ``close`` ends.
+        silence_limit_s: drop an agent silent this long, beats included (None: never).
 
     Example:
         >>> server = ChannelServer("127.0.0.1", new_secret(), lambda peer, m: print(m))
@@ -106,8 +114,10 @@ class ChannelServer:
         secret: str,
         on_message: Callable[[Peer, protocol.Message], None],
         on_disconnect: Callable[[Peer], None] = lambda peer: None,
+        silence_limit_s: float | None = None,
     ) -> None:
         self._key = frames.secret_key(secret)
+        self._silence_limit_s = silence_limit_s
         self._secret = secret
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -198,6 +208,7 @@ class ChannelServer:
         self._round: list[Item] = []
         self._listening = False
         self._accept_again_at = 0.0
+        self._next_peer_check = 0.0
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._listen(True)
         try:
@@ -236,6 +247,7 @@ class ChannelServer:
             times.append(next(iter(self._pending.values())).accepted + HANDSHAKE_DEADLINE_S)
         if not self._listening:
             times.append(self._accept_again_at)
+        times.append(self._next_peer_check)
         return max(0.0, min(times) - now)
 
     def _on_timers(self) -> None:
@@ -249,6 +261,26 @@ class ChannelServer:
             self._drop_pending(oldest)
         if not self._listening and now >= self._accept_again_at:
             self._listen(True)
+        if now >= self._next_peer_check:
+            # A scan of every peer, a few times a beat: never per frame (thousands of agents).
+            self._next_peer_check = now + PEER_CHECK_INTERVAL_S
+            self._check_peers(now)
+
+    def _check_peers(self, now: float) -> None:
+        """Drop the agents silent past the limit; beat to those we sent nothing lately."""
+        for peer in self.peers:
+            if peer.closed or peer.broken:
+                continue
+            silent = None if peer.paused else peer.live.silent_for(now)
+            if silent is not None:
+                self.stats["silent_peers"] += 1
+                peer.silent_for = silent
+                self._drop_peer(peer, f"it sent nothing for {silent:.1f} s")
+            elif peer.live.beat_due(now):
+                try:
+                    peer.send(protocol.Alive())
+                except ChannelClosed:
+                    continue
 
     def _on_wake(self) -> None:
         try:
@@ -266,8 +298,10 @@ class ChannelServer:
             elif not peer.closed:
                 self._flush(peer)
         if resume:
+            now = time.monotonic()
             for peer in self.peers:
                 if peer.paused:
+                    peer.live.excuse(now)  # we stopped reading it: not its silence
                     peer.paused = False
                     self._set_interest(peer)
 
@@ -384,7 +418,7 @@ class ChannelServer:
 
     def _promote(self, pending: _Pending, sealer: frames.Sealer) -> None:
         del self._pending[pending.sock]
-        peer = Peer(self._want, pending.sock, sealer)
+        peer = Peer(self._want, pending.sock, sealer, self._silence_limit_s)
         peer.events = selectors.EVENT_READ
         self._selector.modify(pending.sock, selectors.EVENT_READ, peer)
         try:
@@ -429,6 +463,7 @@ class ChannelServer:
         if not data:
             self._drop_peer(peer, None)
             return
+        peer.live.heard(time.monotonic(), time.time())
         peer.inbox += data
         batches: list[protocol.Message] = []
         try:
@@ -436,7 +471,11 @@ class ChannelServer:
                 body = frames.split_frame(peer.inbox, frames.MAX_SEALED_BYTES)
                 if body is None:
                     break
-                batches.extend(protocol.decode_batch(peer.open_frame(body), Route.TO_DRIVER))
+                batches.extend(
+                    m
+                    for m in protocol.decode_batch(peer.open_frame(body), Route.TO_DRIVER)
+                    if not isinstance(m, protocol.Alive)  # liveness only: heard above
+                )
         except (ProtocolError, frames.FrameError) as exc:
             self.stats["bad_frames"] += 1
             self._enqueue(peer, batches)  # what came before the bad frame was genuine

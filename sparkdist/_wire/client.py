@@ -6,6 +6,10 @@ strangers when flooded); a driver that fails to prove it knows the secret is ref
 Then one thread owns the socket: it hands the driver's messages to ``on_message`` and sends
 what the agent queued, control messages first, many messages per frame.
 
+Liveness (``liveness``): the I/O thread sends a beat when it sent nothing for a beat's
+interval, and, given a silence limit, ends the connection once the driver was silent that
+long (``on_close`` then gets the seconds of silence): a driver host cut off sends no FIN.
+
 Two queues, both bounded: ``send`` (control: never dropped; it waits for room, up to
 ``SEND_TIMEOUT_S``, if the driver stopped reading) and ``post`` (output lines, progress:
 dropped and counted when full, never waits). Nothing here blocks on the network.
@@ -24,6 +28,7 @@ import time
 from collections.abc import Callable
 
 from sparkdist._wire import frames, protocol
+from sparkdist._wire.liveness import Liveness
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
 logger = logging.getLogger("sparkdist")
@@ -33,12 +38,10 @@ CONNECT_TIMEOUT_S = 10.0
 HANDSHAKE_TIMEOUT_S = CONNECT_TIMEOUT_S
 #: How long ``send`` waits for room in a full control queue before giving the driver up.
 SEND_TIMEOUT_S = 30.0
-#: TCP keepalive on the agent's connection: idle seconds before the first probe, seconds
-#: between probes, unanswered probes before the connection counts as dead.
+#: TCP keepalive on the agent's connection, for the connections that set no silence limit:
+#: idle seconds before the first probe, seconds between probes, unanswered probes before the
+#: connection counts as dead.
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
-#: How long a silently vanished driver host goes unnoticed at most (documented in
-#: docs/restarts.md): the agent then ends its ranks.
-DRIVER_SILENCE_LIMIT_S = KEEPALIVE_IDLE_S + KEEPALIVE_INTERVAL_S * KEEPALIVE_PROBES
 #: How long ``close`` keeps sending what is queued.
 CLOSE_FLUSH_S = 2.0
 #: Control messages queued at most (they are few: hello, store, ready, failed, rows, bye).
@@ -69,8 +72,11 @@ class ChannelClient:
         address: (host, port) of the driver's channel.
         secret: the run's secret.
         on_message: called on the I/O thread with every message from the driver.
-        on_close: called once, on the I/O thread, when the connection ends.
+        on_close: called once, on the I/O thread, when the connection ends, with how long
+            the driver had been silent when that ended it (None: it closed, or we did).
         timeout_s: deadline for the connection and the handshake, retries included.
+        silence_limit_s: end the connection once the driver sent nothing, not even a beat,
+            for this long (None: only TCP notices a vanished driver).
 
     Raises:
         OSError: the driver's address cannot be reached.
@@ -83,8 +89,9 @@ class ChannelClient:
         address: tuple[str, int],
         secret: str,
         on_message: Callable[[protocol.Message], None],
-        on_close: Callable[[], None] = lambda: None,
+        on_close: Callable[[float | None], None] = lambda silent_for: None,
         timeout_s: float = CONNECT_TIMEOUT_S,
+        silence_limit_s: float | None = None,
     ) -> None:
         self.address = address
         self._on_message = on_message
@@ -104,6 +111,9 @@ class ChannelClient:
         self._wake_pending = False
         self._posted_since = 0.0  # when the droppable queue last became non-empty
         self._closing_at: float | None = None  # set by close: send what is queued until then
+        self._live = Liveness.starting(silence_limit_s, time.monotonic(), time.time())
+        #: Set when the driver's silence ended the connection: how long it had lasted.
+        self.silent_for: float | None = None
         self.closed = False
         #: Droppable messages dropped because the queue was full or the connection gone.
         self.dropped = 0
@@ -231,6 +241,8 @@ class ChannelClient:
             if self._inbox:  # frames that came right behind the welcome
                 self._read(b"")
             while True:
+                if self._check_liveness():
+                    return
                 self._fill()
                 if self._out:
                     self._write()
@@ -249,6 +261,8 @@ class ChannelClient:
                         timeout = max(0.0, self._posted_since + LINGER_S - now)
                     if self._closing_at is not None:
                         timeout = min(timeout or LINGER_S, max(0.0, self._closing_at - now))
+                    due = self._live.next_due(now) - now  # a beat, or the silence limit
+                    timeout = due if timeout is None else min(timeout, due)
                 if want_write != writing:
                     writing = want_write
                     events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
@@ -269,6 +283,7 @@ class ChannelClient:
                             continue
                         if not data:
                             return  # the driver closed the channel
+                        self._live.heard(time.monotonic(), time.time())
                         self._read(data)
         except (OSError, ChannelClosed):
             pass
@@ -290,7 +305,7 @@ class ChannelClient:
             if body is None:
                 return
             for message in protocol.decode_batch(self._sealer.open(body), Route.TO_AGENT):
-                if isinstance(message, protocol.Welcome):
+                if isinstance(message, (protocol.Welcome, protocol.Alive)):
                     continue
                 try:
                     self._on_message(message)
@@ -319,11 +334,32 @@ class ChannelClient:
                 self._out += self._sealer.seal(protocol.encode_batch(batch))
                 self._cond.notify_all()  # room for a waiting ``send``
 
+    def _check_liveness(self) -> bool:
+        """Queue a beat when one is due; True when the driver's silence ends the connection."""
+        now = time.monotonic()
+        silent = self._live.silent_for(now)
+        if silent is not None:
+            self.silent_for = silent
+            logger.warning(
+                "sparkdist: the driver's control channel at %s sent nothing for %.1f s: "
+                "counting the driver as gone",
+                self.address,
+                silent,
+            )
+            return True
+        if self._live.beat_due(now):
+            with self._cond:
+                if not (self._control or self._posted or self._out):
+                    self._control.append(protocol.encode(protocol.Alive(), Route.TO_DRIVER))
+            self._live.sent(now)  # queued now: sent on this turn
+        return False
+
     def _write(self) -> None:
         try:
             sent = self._sock.send(self._out)
         except (BlockingIOError, InterruptedError):
             return
+        self._live.sent(time.monotonic())
         with self._cond:
             del self._out[:sent]
             if not self._out:
@@ -343,7 +379,7 @@ class ChannelClient:
             except OSError:
                 pass
         try:
-            self._on_close()
+            self._on_close(self.silent_for)
         except Exception:
             logger.exception("sparkdist: control channel close handler failed")
 
@@ -409,9 +445,9 @@ def _handshake(
 
 
 def _keep_alive(sock: socket.socket) -> None:
-    """Notice a driver whose host vanished (no FIN ever comes) within about
-    ``DRIVER_SILENCE_LIMIT_S``: the agent then ends its ranks (a dead driver *process* closes
-    the connection at once)."""
+    """Let TCP, too, notice a driver whose host vanished (no FIN ever comes), within about
+    40 s, for a connection without a silence limit (a dead driver *process* closes the
+    connection at once)."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     settings = (
         ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 #: The handshake's protocol version: a driver and an agent of different versions never pair.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3  # 3: link beats (``Alive``) both ways
 #: Largest frame payload (a batch of messages) after the handshake.
 MAX_FRAME_BYTES = 1 << 20
 #: Largest single message: one always fits in a frame on its own.
@@ -199,6 +199,14 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class Alive:
+    """Either way on the control channel: this end is still there (``liveness``); sent when
+    nothing else went for a beat's interval."""
+
+    kind: ClassVar[str] = "alive"
+
+
+@dataclass(frozen=True)
 class Rendezvous:
     """Driver to agent: the store's port, and the variables every rank gets before it runs
     user code (only those of ``RENDEZVOUS_ENV_VARS``)."""
@@ -264,6 +272,7 @@ Message: TypeAlias = (
     | Report
     | Sample
     | Beat
+    | Alive
     | Rendezvous
     | Abort
     | ClientHello

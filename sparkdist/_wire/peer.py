@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from sparkdist._wire import frames, protocol
 from sparkdist._wire.client import ChannelClosed
+from sparkdist._wire.liveness import Liveness
 from sparkdist._wire.protocol import Route
 
 #: Bytes waiting to be sent to one agent before it counts as gone (it stopped reading).
@@ -30,12 +32,18 @@ class Peer:
     Attributes:
         node: the node (barrier task) the agent said it runs, once it said so.
         address: the agent's (host, port).
+        live: when it was last heard from and last sent to (``liveness``).
+        silent_for: set when its silence ended the connection: how long it had lasted.
     """
 
     node: int | None = None
 
     def __init__(
-        self, want: Callable[[Peer], None], sock: socket.socket, sealer: frames.Sealer
+        self,
+        want: Callable[[Peer], None],
+        sock: socket.socket,
+        sealer: frames.Sealer,
+        silence_limit_s: float | None = None,
     ) -> None:
         self._want = want  # the server's I/O thread takes over what a sender cannot finish
         self.sock = sock
@@ -48,6 +56,8 @@ class Peer:
         self.paused = False
         self.events = 0
         self.inbox = bytearray()
+        self.live = Liveness.starting(silence_limit_s, time.monotonic(), time.time())
+        self.silent_for: float | None = None
 
     def send(self, message: protocol.Message) -> None:
         """Queue ``message`` for this agent; never blocks.
@@ -63,6 +73,7 @@ class Peer:
             if self.closed or self.broken:
                 raise ChannelClosed(f"the connection to node {self.node} is closed")
             frame = self._sealer.seal(protocol.encode_batch([encoded]))
+            self.live.sent(time.monotonic())
             if len(self._out) + len(frame) > MAX_PEER_BACKLOG_BYTES:
                 self.broken = (
                     f"node {self.node} read nothing of the last {len(self._out)} bytes sent to it"

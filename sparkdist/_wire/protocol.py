@@ -57,6 +57,7 @@ from sparkdist._wire.messages import (
     NONCE_BYTES,
     PROTOCOL_VERSION,
     Abort,
+    Alive,
     Beat,
     Bye,
     ClientHello,
@@ -81,6 +82,7 @@ from sparkdist._wire.messages import (
 
 __all__ = [
     "Abort",
+    "Alive",
     "Beat",
     "Bye",
     "ClientHello",
@@ -211,6 +213,7 @@ def _kinds() -> dict[str, _Kind]:
             ),
         ),
         (Beat, frozenset({worker}), (("rank", _RANK, True),)),
+        (Alive, frozenset({to_driver, to_agent}), ()),
         (
             Rendezvous,
             frozenset({to_agent, worker}),

@@ -161,7 +161,9 @@ def test_a_relay_cannot_rewrite_the_rendezvous(served, caplog):
     got, closed = [], threading.Event()
     try:
         with caplog.at_level(logging.WARNING, "sparkdist"):
-            client = _legit(relay.port, secret, on_message=got.append, on_close=closed.set)
+            client = _legit(
+                relay.port, secret, on_message=got.append, on_close=lambda _silent: closed.set()
+            )
             assert closed.wait(WAIT_S)  # the agent hung up on the tampered frame
         assert rewritten == [True] and got == []  # nothing tampered reached the agent
         assert "failed its integrity check" in caplog.text
@@ -179,7 +181,9 @@ def test_a_relay_cannot_strip_the_tags_either(served):
     relay = Relay(server.port, lambda d, i, b: [plain] if (d, i) == ("down", 2) else [b])
     got, closed = [], threading.Event()
     try:
-        client = _legit(relay.port, secret, on_message=got.append, on_close=closed.set)
+        client = _legit(
+            relay.port, secret, on_message=got.append, on_close=lambda _silent: closed.set()
+        )
         assert closed.wait(WAIT_S) and got == []
         client.close()
     finally:
@@ -278,7 +282,11 @@ def _raw_agent(port: int, secret: str) -> tuple[socket.socket, frames.Sealer]:
     sock = socket.create_connection((HOST, port), timeout=WAIT_S)
     key = frames.secret_key(secret)
     nonce_c = frames.new_nonce()
-    sock.sendall(frames.plain_frame(protocol.encode(protocol.ClientHello(2, nonce_c))))
+    sock.sendall(
+        frames.plain_frame(
+            protocol.encode(protocol.ClientHello(protocol.PROTOCOL_VERSION, nonce_c))
+        )
+    )
     buffer = bytearray()
     while (body := frames.split_frame(buffer, 4096)) is None:
         buffer += sock.recv(4096)

@@ -331,7 +331,11 @@ def test_an_agent_that_stops_reading_is_dropped_not_waited_for(served, monkeypat
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     key = frames.secret_key(secret)
     nonce_c = frames.new_nonce()
-    raw.sendall(frames.plain_frame(protocol.encode(protocol.ClientHello(2, nonce_c))))
+    raw.sendall(
+        frames.plain_frame(
+            protocol.encode(protocol.ClientHello(protocol.PROTOCOL_VERSION, nonce_c))
+        )
+    )
     buffer = bytearray()
     while (body := frames.split_frame(buffer, 4096)) is None:
         buffer += raw.recv(4096)

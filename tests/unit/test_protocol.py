@@ -93,6 +93,7 @@ MESSAGES: dict[type, st.SearchStrategy] = {
     protocol.ServerProof: st.builds(protocol.ServerProof, nonce=hexes, mac=hexes),
     protocol.ClientProof: st.builds(protocol.ClientProof, mac=hexes),
     protocol.Welcome: st.just(protocol.Welcome()),
+    protocol.Alive: st.just(protocol.Alive()),
 }
 any_message = st.one_of(*MESSAGES.values())
 

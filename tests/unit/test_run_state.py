@@ -211,6 +211,72 @@ def test_goodbyes_expected_after_the_agents_ended():
     assert state.expected_goodbyes() == 3  # a failed stage: wait for every node's drain
 
 
+def test_a_lost_node_says_no_goodbye():
+    state = new_state(nodes=3)
+    started(state)
+    state.handle(NodeLost(2, T0, "it sent nothing for 10.0 s"), T0 + 12)
+    state.handle(AgentsEnded(failed=True), T0 + 13)
+    assert state.expected_goodbyes() == 2
+
+
+def test_once_only_lost_nodes_remain_the_stage_goes_at_once():
+    # A cut-off node's task never ends on its own: waiting out the failure grace would hold
+    # the caller for nothing.
+    state = new_state(nodes=3)
+    started(state)
+    decisions = state.handle(NodeLost(2, T0, "it sent nothing for 10.0 s"), T0 + 12)
+    assert CancelStage() not in decisions  # nodes 0 and 1 still end their ranks
+    assert state.handle(NodeDone(0), T0 + 12.1) == []
+    assert state.handle(NodeDone(1), T0 + 12.2) == [CancelStage()]
+    assert state.handle(Tick(), T0 + 60) == []  # once
+
+
+def test_the_first_node_to_lose_contact_is_kept_first_with_what_was_seen():
+    state = new_state(nodes=3)
+    started(state)
+    state.handle(NodeLost(2, T0 + 1.0, "it sent nothing for 10.0 s"), T0 + 11)
+    # The nodes the launcher then stopped are consequences, whatever they report.
+    state.handle(NodeLost(0, T0 + 11.5, "its control channel closed without a goodbye"), T0 + 12)
+    assert state.lost_nodes == [2, 0]
+    assert state.lost_heard == {2: T0 + 1.0, 0: T0 + 11.5}
+    assert state.stop_reason == "lost contact with node 2 (host2): it sent nothing for 10.0 s"
+    state.handle(NodeLost(2, T0 + 1.0, "again"), T0 + 13)
+    assert state.lost_nodes == [2, 0]  # a node is lost once
+
+
+def test_a_lost_node_is_the_root_cause_against_a_peer_that_failed_after_its_last_word():
+    from sparkdist._engine.failures import stage_failure
+
+    # Node 1 (ranks 2, 3) vanished; rank 0 on a healthy node then raised in gloo (a reset),
+    # and the driver heard of that failure before it noticed the node was gone.
+    wall = 1.7e9
+    state = new_state()
+    started(state)
+    state.handle(RankFailed(0, seen_at=wall + 0.9), T0 + 2)
+    state.handle(NodeLost(1, wall + 0.4, "its control channel closed without a goodbye"), T0 + 2)
+    error = stage_failure(RuntimeError("Job 3 cancelled"), state, {0: 1})
+    assert error.root_cause.rank == 2
+    message = error.root_cause.message
+    assert "lost with its node 1 (host host1, rank(s) 2-3)" in message
+    assert "the driver saw that its control channel closed without a goodbye" in message
+    assert "Spark had not yet seen its executor lost" in message
+
+
+def test_spark_saying_the_executor_was_lost_is_passed_on():
+    from sparkdist._engine.failures import spark_view
+
+    text = (
+        "An error occurred while calling o99.collectAndServe.\n: org.apache.spark.SparkException:"
+        " Job aborted due to stage failure: Task 1 in stage 7.0 failed 1 times, most recent "
+        "failure: Lost task 1.0 in stage 7.0 (TID 12) (198.18.0.13 executor 2): "
+        "ExecutorLostFailure (executor 2 exited caused by one of the running tasks) Reason: "
+        "Remote RPC client disassociated. Likely due to containers exceeding thresholds\n"
+    )
+    assert spark_view(text).startswith(
+        "Spark saw its executor lost too (ExecutorLostFailure (executor 2 exited"
+    )
+
+
 # -- root cause --------------------------------------------------------------------------------
 
 RAISED, PEER = T0, T0 + 0.002  # a peer's collective error follows within milliseconds
