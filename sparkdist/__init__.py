@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
 
     from sparkdist import runtime as runtime
     from sparkdist._core.config import Mode as Mode
+    from sparkdist._core.errors import Attempt as Attempt
     from sparkdist._core.errors import ClusterError as ClusterError
     from sparkdist._core.errors import ConfigError as ConfigError
     from sparkdist._core.errors import ConfigTypeError as ConfigTypeError
@@ -45,6 +46,7 @@ _HOMES = {
     "Distributor": "sparkdist.distributor",
     "GPUType": "sparkdist._core.gpu_type",
     "Mode": "sparkdist._core.config",
+    "Attempt": "sparkdist._core.errors",
     "RankFailure": "sparkdist._core.errors",
     "RendezvousError": "sparkdist._core.errors",
     "RunResult": "sparkdist._core.result",
@@ -64,6 +66,7 @@ __all__ = [
     "Distributor",
     "GPUType",
     "Mode",
+    "Attempt",
     "RankFailure",
     "RendezvousError",
     "RunResult",

@@ -127,3 +127,12 @@ class Backend(Protocol):
     ) -> RunningAgents:
         """Start the agents of one attempt."""
         ...
+
+    def avoid_hosts(self, hosts: set[str]) -> None:
+        """Keep later attempts off ``hosts`` where the backend can (a Spark cluster gives up
+        their executors); a no-op where it cannot (one machine, Spark Connect)."""
+        ...
+
+    def restore_hosts(self) -> None:
+        """The run ended: give back what ``avoid_hosts`` took (a later run may use them)."""
+        ...

@@ -87,6 +87,12 @@ class LocalBackend:
             in_process=True,
         )
 
+    def avoid_hosts(self, hosts: set[str]) -> None:
+        """One machine: there is nowhere else to go."""
+
+    def restore_hosts(self) -> None:
+        """Nothing was taken."""
+
 
 def local_python_path() -> dict[str, str]:
     """Let local ranks import what the driver imports (modules next to a notebook, say).

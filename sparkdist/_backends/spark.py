@@ -57,6 +57,7 @@ class SparkBackend:
         self.driver_host = ""
         # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
         self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
+        self._given_up = 0  # executors ``avoid_hosts`` gave up, to ask back at the end
 
     def place(self, config: LaunchConfig) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
@@ -94,12 +95,48 @@ class SparkBackend:
             goodbye_before_cancel=True,
         )
 
+    def avoid_hosts(self, hosts: set[str]) -> None:
+        try:
+            given_up = spark_driver.give_up_executors(self.session, hosts)
+        except Exception as exc:  # noqa: BLE001 - a developer API: the run goes on without it
+            logger.warning("sparkdist: could not give up the executors on %s: %s", hosts, exc)
+            return
+        self._given_up += len(given_up)
+        logger.warning(
+            "sparkdist: host(s) %s failed twice in this run: %s",
+            ", ".join(sorted(hosts)),
+            f"executor(s) {', '.join(given_up)} given up, later attempts run elsewhere"
+            if given_up
+            else "Spark lists no executor of this application there any more",
+        )
+
+    def restore_hosts(self) -> None:
+        # The application's executor target went down with the given-up executors: a later
+        # run in this session gets its capacity back (wherever the cluster manager puts it).
+        if self._given_up:
+            try:
+                self.session.sparkContext._jsc.sc().requestExecutors(self._given_up)
+            except Exception as exc:  # noqa: BLE001 - best effort, as giving them up was
+                logger.warning("sparkdist: could not ask for the given-up executors: %s", exc)
+            self._given_up = 0
+
 
 class ConnectBackend(SparkBackend):
     """The same stage through a Spark Connect session (``mapInArrow``; conf read key by key;
     slots estimated from the conf; ``allGather`` when the driver's channel is unreachable)."""
 
     kind = BackendKind.CONNECT
+
+    def restore_hosts(self) -> None:
+        """Nothing was taken."""
+
+    def avoid_hosts(self, hosts: set[str]) -> None:
+        # A Connect client reaches no SparkContext: the server's scheduler decides alone.
+        logger.warning(
+            "sparkdist: host(s) %s failed twice in this run; a Spark Connect session cannot "
+            "give up their executors, so later attempts may run there again",
+            ", ".join(sorted(hosts)),
+        )
 
 
 def _warn_once(message: str) -> None:

@@ -240,3 +240,23 @@ def barrier_slots_error(
         f"the barrier stage needs {needed} task slots at once but the cluster offers {found}: "
         f"{counted} (master {master!r}, {settings}); {fix}"
     )
+
+
+def give_up_executors(session: Any, hosts: set[str]) -> list[str]:
+    """Ask Spark to remove this application's executors on ``hosts`` for good (the target
+    count goes down with them, so the cluster manager does not start them again there);
+    returns their ids. Best effort: ``killExecutors`` is a developer API that a cluster
+    manager may refuse."""
+    context = session.sparkContext
+    summaries = context._jsc.sc().statusStore().executorList(True)
+    doomed = []
+    for i in range(summaries.size()):
+        summary = summaries.apply(i)
+        host = str(summary.hostPort()).rsplit(":", 1)[0]
+        if summary.id() != "driver" and host in hosts:
+            doomed.append(str(summary.id()))
+    if doomed:
+        ids = context._jvm.PythonUtils.toSeq(doomed)
+        if not context._jsc.sc().killExecutors(ids):
+            return []
+    return doomed

@@ -102,6 +102,9 @@ class LaunchConfig:
             cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
         heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
             joined) is declared hung: its stack is dumped into its output and the run stops.
+            It is also the silence limit of each node's link to the driver (10 s when unset):
+            a node silent that long is lost, and a node that hears nothing from the driver
+            that long ends its ranks (docs/restarts.md, host faults).
         mlflow: True/False turns MLflow tracking on/off; None follows SPARKDIST_MLFLOW (on
             unless it is 0).
         requirements: packages every host that runs ranks must have, as "name" (the driver's
@@ -371,9 +374,9 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "heartbeat_timeout_s",
-        "declare a rank hung after this many seconds without runtime.report() or heartbeat()",
+        "seconds without runtime.report()/heartbeat() to call a rank hung; a node's link limit",
         _cli("--heartbeat-timeout", kind=CliKind.SECONDS, metavar="SECONDS"),
-        default_text="never",
+        default_text="never (link: 10 s)",
     ),
     Option(
         "mlflow",

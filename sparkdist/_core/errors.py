@@ -110,6 +110,31 @@ class RankFailure:
         return f"rank {self.rank} on {self.host}: {what}"
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One attempt of a run.
+
+    Attributes:
+        number: 0 for the first, then each restart's count.
+        hosts: each node's host, by node ("?" for a node that never reached the driver).
+        failure: its root cause; None for the attempt that succeeded.
+        before_start: it failed before every rank had joined the rendezvous.
+    """
+
+    number: int
+    hosts: tuple[str, ...]
+    failure: RankFailure | None = None
+    before_start: bool = False
+
+    def summary(self) -> str:
+        """One line: ``attempt 1 (on 10.0.0.2, 10.0.0.3) failed first at rank 1 on ...``."""
+        head = f"attempt {self.number} (on {', '.join(self.hosts) or 'no host'})"
+        if self.failure is None:
+            return f"{head} succeeded"
+        when = " before every rank started," if self.before_start else ""
+        return f"{head} failed{when} first at {self.failure.summary()}"
+
+
 class WorkerFailedError(SparkdistError, RuntimeError):
     """One or more ranks failed.
 
@@ -117,6 +142,8 @@ class WorkerFailedError(SparkdistError, RuntimeError):
         failures: every rank that failed on its own, keyed by global rank.
         root_cause: the failure that happened first; its traceback is in the message.
         attempts: for runs with restarts, the root cause of each earlier attempt, oldest first.
+        history: every attempt (this one last) with the hosts it ran on, when known.
+        note: why the run was not restarted again, when restarts were left ("" otherwise).
     """
 
     __module__ = "sparkdist"
@@ -126,20 +153,31 @@ class WorkerFailedError(SparkdistError, RuntimeError):
         failures: dict[int, RankFailure],
         root_cause: RankFailure,
         attempts: tuple[RankFailure, ...] = (),
+        history: tuple[Attempt, ...] = (),
+        note: str = "",
     ) -> None:
         self.failures = dict(failures)
         self.root_cause = root_cause
         self.attempts = tuple(attempts)
-        super().__init__(_describe_failures(self.failures, root_cause, self.attempts))
+        self.history = tuple(history)
+        self.note = note
+        super().__init__(
+            _describe_failures(self.failures, root_cause, self.attempts, self.history, note)
+        )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.failures, self.root_cause, self.attempts))
+        return (
+            type(self),
+            (self.failures, self.root_cause, self.attempts, self.history, self.note),
+        )
 
 
 def _describe_failures(
     failures: dict[int, RankFailure],
     root: RankFailure,
     attempts: tuple[RankFailure, ...],
+    history: tuple[Attempt, ...] = (),
+    note: str = "",
 ) -> str:
     """The message: which ranks failed and how (identical errors grouped, the root cause's
     first), the root cause's traceback without sparkdist's frames, where, then the rest."""
@@ -167,8 +205,13 @@ def _describe_failures(
             f"{_rank_list(ranks)} failed too (often in consequence, e.g. a peer lost in a "
             f"collective): {error}"
         )
-    for number, earlier in enumerate(attempts):
-        lines.append(f"attempt {number} failed first at {earlier.summary()}")
+    if history:
+        lines.extend(attempt.summary() for attempt in history[:-1])
+    else:
+        for number, earlier in enumerate(attempts):
+            lines.append(f"attempt {number} failed first at {earlier.summary()}")
+    if note:
+        lines.append(note)
     if root.last_lines:
         lines.append(f"last output lines of rank {root.rank}:")
         lines.extend(f"  {line}" for line in root.last_lines)

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparkdist._core.errors import Attempt
+
 
 @dataclass(frozen=True)
 class RankTimeline:
@@ -84,6 +86,8 @@ class RunResult:
         system_samples: every node's ``SystemSample``s, oldest first (none when
             ``system_metrics_interval_s`` is 0, psutil is missing, or the run was shorter
             than one interval).
+        attempts: every attempt, this successful one last, with the hosts it ran on and the
+            root cause of each that failed (one entry without restarts).
 
     Example:
         >>> from sparkdist import Distributor
@@ -106,6 +110,7 @@ class RunResult:
     last_metrics: dict[str, float] = field(default_factory=dict)
     timeline: list[RankTimeline] = field(default_factory=list)
     system_samples: list[SystemSample] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def world_size(self) -> int:

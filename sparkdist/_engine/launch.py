@@ -30,9 +30,10 @@ from typing import Any
 from sparkdist._backends.base import Backend, RunningAgents
 from sparkdist._backends.choose import select_backend
 from sparkdist._backends.job_file import JobFile, job_file_name
+from sparkdist._core.attempts import attempt_of, final_error, hosts_to_avoid
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._core.errors import RankFailure, WorkerFailedError
+from sparkdist._core.errors import Attempt, WorkerFailedError
 from sparkdist._core.files import make_private_dirs
 from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
 from sparkdist._core.plan import LaunchPlan, make_plan
@@ -243,43 +244,42 @@ class Launch:
             raise
 
     def _supervise(self) -> None:
-        earlier: list[RankFailure] = []
+        history: list[Attempt] = []
         try:
             while True:
                 attempt = self._attempt
                 assert attempt is not None
                 try:
                     outcomes = supervise(self.config, attempt.agents, attempt.monitor)
-                    self._result = result_of(
+                    done = result_of(  # raises when ranks failed
                         outcomes, attempt.monitor, self.run_id, self.config, self.placement
                     )
+                    history.append(attempt_of(attempt.monitor.state, len(history)))
+                    self._result = dataclasses.replace(done, attempts=history)
                     return
                 except WorkerFailedError as failed:
-                    if len(earlier) >= self.config.max_restarts:
-                        if earlier:
-                            raise WorkerFailedError(
-                                failed.failures, failed.root_cause, tuple(earlier)
-                            ) from failed.__cause__
-                        raise
-                    earlier.append(failed.root_cause)
+                    history.append(
+                        attempt_of(attempt.monitor.state, len(history), failed.root_cause)
+                    )
+                    final = final_error(history, failed, self.config.max_restarts)
+                    if final is not None:
+                        raise final from failed.__cause__
                 finally:
                     attempt.close()
+                restart = f"restarting (restart {len(history)} of {self.config.max_restarts})"
                 logger.warning(
-                    "sparkdist: run %s attempt %d failed (%s); restarting the whole world "
-                    "(restart %d of %d)",
-                    self.run_id,
-                    len(earlier) - 1,
-                    earlier[-1].summary(),
-                    len(earlier),
-                    self.config.max_restarts,
+                    "sparkdist: run %s %s; %s", self.run_id, history[-1].summary(), restart
                 )
+                if avoid := hosts_to_avoid(history):  # struck twice: not used again
+                    self._backend.avoid_hosts(avoid)
                 with self._lock:
                     if self._cancel_reason is not None:
                         raise concurrent.futures.CancelledError(self._cancel_reason)
-                    self._start_attempt(len(earlier))
+                    self._start_attempt(len(history))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
+            self._backend.restore_hosts()
             self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()

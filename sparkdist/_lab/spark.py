@@ -31,6 +31,7 @@ MASTER_URL = f"spark://{DRIVER_ADDRESS}:{MASTER_PORT}"
 #: C1 only and the serial collector: JVMs start about 3.5 s sooner on a 2-core box.
 FAST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 _REGISTERED = "Successfully registered with master"
+_RE_REGISTER = "Attempted to re-register worker at same address"
 _MASTER_UP = "Starting Spark master at"
 
 
@@ -238,8 +239,20 @@ class LabCluster:
         if host in self.lab.hosts and any(p["host"] == host for p in self.lab.processes(host)):
             self.lab.kill_host(host)
         self.lab.replace_host(host)
-        self._start_worker(host)
-        self._wait_for_log(self._log(f"worker-{host}"), _REGISTERED, time.monotonic() + timeout_s)
+        deadline = time.monotonic() + timeout_s
+        log = self._log(f"worker-{host}")
+        while True:
+            self._start_worker(host)
+            try:
+                self._wait_for_log(log, _REGISTERED, min(deadline, time.monotonic() + 15))
+                break
+            except LabError:
+                # The master may still hold the old Worker at this address (a host killed
+                # behind a cut sends no FIN): it lets it go after spark.worker.timeout.
+                if time.monotonic() > deadline or _RE_REGISTER not in log.read_text():
+                    raise
+                self.lab.signal(self.worker_procs[host]["pid"], 9)
+                time.sleep(2.0)
         if self.driver is not None:
             self._spread_executors(time.monotonic() + timeout_s)
 

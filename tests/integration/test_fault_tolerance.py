@@ -101,8 +101,56 @@ def test_exhausted_restarts_list_every_attempts_root_cause():
         "bad shard on attempt 1",
     ]
     assert error.root_cause.message == "bad shard on attempt 2"
-    assert "attempt 0 failed first at rank 1" in str(error)
+    assert "attempt 0 (on 127.0.0.1) failed first at rank 1" in str(error)
     assert not run_processes()
+
+
+class FailsWhenUnpickled:
+    """An argument that cannot be unpickled on a rank (as a module missing there would be):
+    every rank fails before it ever runs the training function."""
+
+    def __reduce__(self):
+        return (_fail_to_import, ())
+
+
+def _fail_to_import():
+    raise ModuleNotFoundError("No module named 'only_on_the_driver'")
+
+
+def test_a_failure_before_the_ranks_start_is_retried_once_not_blindly():
+    started = time.monotonic()
+    with pytest.raises(WorkerFailedError) as info:
+        Distributor(2, use_gpu=False, max_restarts=5, timeout_s=100).run(
+            lambda arg: arg, FailsWhenUnpickled()
+        )
+    error = info.value
+    assert [a.number for a in error.history] == [0, 1]  # 2 attempts, though 5 restarts were left
+    assert all(a.before_start for a in error.history)
+    assert error.note.startswith("not restarted again: 2 attempts in a row failed before")
+    assert "attempt 0 (on 127.0.0.1) failed before every rank started" in str(error)
+    assert "only_on_the_driver" in error.root_cause.message
+    assert time.monotonic() - started < 60
+    assert not run_processes()
+
+
+def test_a_successful_run_lists_every_attempt_with_its_hosts(tmp_path):
+    result = Distributor(2, use_gpu=False, max_restarts=2, checkpoint_dir=str(tmp_path)).run_all(
+        fails_on_the_first_attempt
+    )
+    assert [(a.number, a.hosts, a.failure is None) for a in result.attempts] == [
+        (0, ("127.0.0.1",), False),
+        (1, ("127.0.0.1",), True),
+    ]
+    assert result.attempts[0].failure.rank == 1
+    assert not run_processes()
+
+
+def fails_on_the_first_attempt():
+    from sparkdist import runtime
+
+    if runtime.restart_count() == 0 and runtime.get_global_rank() == 1:
+        raise ValueError("first attempt")
+    return runtime.restart_count()
 
 
 class BlocksWhenUnpickledOnRankOne:

@@ -1,0 +1,74 @@
+"""What the next restart may do, given a run's attempts (``errors.Attempt``: the hosts each
+ran on and how it ended) (pure).
+
+``max_restarts`` counts restarts of the whole job, never per node. On top of that budget:
+
+- a failure before every rank started (a bad image, an import error, a missing package on a
+  node) is retried once, not blindly: a second attempt in a row that fails before starting
+  would fail the same way a third time;
+- a host that was where an attempt's root cause struck twice is not used again in the run
+  (the backend is asked to give up its executors: ``Backend.avoid_hosts``).
+
+Non-goals: running the attempts (``_engine.launch``), finding the root cause (``run_state``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from sparkdist._core.errors import Attempt, RankFailure, WorkerFailedError
+from sparkdist._core.run_state import RunState
+
+#: A host where this many attempts' root causes struck is avoided for the rest of the run.
+HOST_FAILURES_TO_AVOID = 2
+#: Attempts in a row that may fail before every rank started; then no more restarts.
+START_FAILURES_IN_A_ROW = 2
+
+
+def start_failures_stop(attempts: Sequence[Attempt]) -> str | None:
+    """Why no restart may follow ``attempts`` however many ``max_restarts`` allows: the last
+    ones in a row all failed before every rank started; None otherwise."""
+    recent = attempts[-START_FAILURES_IN_A_ROW:]
+    if len(recent) == START_FAILURES_IN_A_ROW and all(a.before_start for a in recent):
+        return (
+            f"not restarted again: {START_FAILURES_IN_A_ROW} attempts in a row failed before "
+            "every rank started (an import error, a bad environment or a missing package on "
+            "a node fails the same way each time); fix the cause and launch again"
+        )
+    return None
+
+
+def hosts_to_avoid(attempts: Sequence[Attempt]) -> set[str]:
+    """Hosts where at least ``HOST_FAILURES_TO_AVOID`` attempts' root causes struck."""
+    struck = collections.Counter(
+        a.failure.host for a in attempts if a.failure is not None and a.failure.host
+    )
+    return {host for host, count in struck.items() if count >= HOST_FAILURES_TO_AVOID}
+
+
+def attempt_of(state: RunState, number: int, failure: RankFailure | None = None) -> Attempt:
+    """An attempt for the run's history, from its run state: its nodes' hosts, its root cause,
+    and whether that rank failed before it ever joined (an import error, a bad environment)."""
+    hosts = tuple(state.node_hosts.get(n, "?") for n in range(state.num_nodes))
+    return Attempt(number, hosts, failure, failure is not None and failure.rank not in state.joined)
+
+
+def final_error(
+    history: Sequence[Attempt], failed: WorkerFailedError, max_restarts: int
+) -> WorkerFailedError | None:
+    """The error the run ends with after ``failed`` (the last attempt of ``history``), or None
+    when it restarts: with every attempt and its hosts once there were several."""
+    stop = start_failures_stop(history)
+    budget_left = len(history) <= max_restarts
+    if budget_left and stop is None:
+        return None
+    if len(history) == 1:
+        return failed
+    return WorkerFailedError(
+        failed.failures,
+        failed.root_cause,
+        tuple(a.failure for a in history[:-1] if a.failure is not None),
+        tuple(history),
+        stop if budget_left and stop is not None else "",
+    )

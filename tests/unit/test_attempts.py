@@ -1,0 +1,81 @@
+"""The restart rules on top of max_restarts (pure): start failures retried once, a host that
+struck twice avoided, every attempt listed with its hosts."""
+
+from __future__ import annotations
+
+import pickle
+
+from sparkdist._core.attempts import (
+    attempt_of,
+    final_error,
+    hosts_to_avoid,
+    start_failures_stop,
+)
+from sparkdist._core.errors import Attempt, RankFailure, WorkerFailedError
+from sparkdist._core.run_state import Deadlines, NodeHello, RankJoined, RunState
+
+
+def failure(rank: int = 1, host: str = "10.0.0.2", message: str = "boom") -> RankFailure:
+    return RankFailure(rank=rank, host=host, exit_code=1, exc_type="ValueError", message=message)
+
+
+def failed(root: RankFailure) -> WorkerFailedError:
+    return WorkerFailedError({root.rank: root}, root)
+
+
+def test_an_attempt_knows_its_hosts_and_whether_its_root_cause_ever_joined():
+    state = RunState(4, 2, Deadlines(60.0), 0.0)
+    state.handle(NodeHello(0, "10.0.0.1"), 1.0)
+    state.handle(RankJoined(0), 1.0)
+    early = attempt_of(state, 0, failure(rank=3))
+    late = attempt_of(state, 0, failure(rank=0))
+    assert early.hosts == ("10.0.0.1", "?")  # node 1 never reached the driver
+    assert early.before_start and not late.before_start
+    assert attempt_of(state, 1).failure is None
+
+
+def test_two_start_failures_in_a_row_stop_the_restarts_one_does_not():
+    start = Attempt(0, ("a",), failure(), before_start=True)
+    running = Attempt(1, ("a",), failure(), before_start=False)
+    assert start_failures_stop([start]) is None
+    assert start_failures_stop([running, start]) is None
+    assert "2 attempts in a row failed before every rank started" in (
+        start_failures_stop([start, start]) or ""
+    )
+
+
+def test_the_budget_counts_restarts_of_the_whole_job():
+    history = [Attempt(0, ("a", "b"), failure())]
+    assert final_error(history, failed(failure()), max_restarts=1) is None
+    history.append(Attempt(1, ("a", "c"), failure(message="again")))
+    error = final_error(history, failed(failure(message="again")), max_restarts=1)
+    assert error is not None and error.note == ""
+    assert [a.message for a in error.attempts] == ["boom"]
+    assert "attempt 0 (on a, b) failed first at rank 1 on 10.0.0.2" in str(error)
+
+
+def test_a_start_failure_twice_ends_the_run_with_restarts_left_and_says_why():
+    start = failure(rank=0, message="No module named 'mylib'")
+    history = [Attempt(0, ("a",), start, True), Attempt(1, ("b",), start, True)]
+    error = final_error(history, failed(start), max_restarts=5)
+    assert error is not None
+    assert "attempt 0 (on a) failed before every rank started, first at rank 0" in str(error)
+    assert error.note.startswith("not restarted again")
+    assert error.note in str(error)
+    again = pickle.loads(pickle.dumps(error))  # crosses processes like every error
+    assert again.history == error.history and again.note == error.note
+
+
+def test_without_restarts_the_error_is_the_attempts_own():
+    error = failed(failure())
+    assert final_error([Attempt(0, ("a",), failure())], error, max_restarts=0) is error
+
+
+def test_a_host_where_two_root_causes_struck_is_avoided():
+    history = [
+        Attempt(0, ("a", "b"), failure(host="b")),
+        Attempt(1, ("a", "c"), failure(host="c")),
+    ]
+    assert hosts_to_avoid(history) == set()
+    history.append(Attempt(2, ("b", "c"), failure(host="b")))
+    assert hosts_to_avoid(history) == {"b"}
