@@ -7,9 +7,17 @@ task finds it with ``SparkFiles.get`` (``executor_path``).
 The file is private to the driver's user: mode 0600, in a 0700 directory of its own per run
 (``sparkdist_job-<host>-<pid>-<run id>-*`` under the temp directory, not pyspark's shared one).
 It is emptied when the run ends, whichever way it ends; its directory goes when the
-SparkContext that serves it has stopped (noticed at the next large job, or at exit), and a
-directory left by a driver that was killed is removed at the next large job's start
-(``sweep_job_leftovers``; only this user's, only once the driver's pid is gone).
+SparkContext that serves it has stopped (noticed at the next start, or at exit), and a
+directory left by a driver that was killed is removed at the next run's start on this host,
+whatever its mode (``sweep_job_leftovers``, called by ``_engine.launch``; only this user's,
+only once the driver's pid is gone: a live driver's file is never touched).
+
+Spark leaves what an executor fetched in its work directory until the application ends. The
+tasks of a run's last attempt remove their executor's copy as they end, whichever way
+(``holding_job_copy``: the last task of the executor to end removes it); an earlier attempt's
+copy stays for a restart, and any later barrier task of the application on that executor
+removes the copies of the runs this driver has ended (``ended_job_names``,
+``drop_job_copies``), as it does a copy whose task was killed before it could.
 
 Non-goals: deciding that a job is large (``_wire.captures``).
 """
@@ -17,10 +25,13 @@ Non-goals: deciding that a job is large (``_wire.captures``).
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
+import fcntl
 import os
 import shutil
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from sparkdist._backends.session import is_connect
@@ -28,6 +39,9 @@ from sparkdist._core.files import make_owned_dir, sweep_dead_owners, write_priva
 
 #: The ``kind`` of the per-run directories (``_core.files.make_owned_dir``).
 JOB_DIR_KIND = "job"
+#: Ended runs' job names handed to later tasks: enough for every run a session keeps in
+#: flight or recently ended, few enough that a task's closure stays small (~40 bytes each).
+ENDED_JOBS_KEPT = 256
 
 
 class JobFile:
@@ -42,7 +56,6 @@ class JobFile:
         self.name = job_file_name(run_id)
         connect = self._connect = is_connect(session)
         self._context: Any = None if connect else session.sparkContext
-        sweep_job_leftovers()
         self.directory = make_owned_dir(JOB_DIR_KIND, run_id)
         self.path = os.path.join(self.directory, self.name)
         try:
@@ -69,6 +82,8 @@ class JobFile:
         the SparkContext stops; then the directory goes), and the driver's own copy under
         SparkFiles' root directory is deleted.
         """
+        with _ended_lock:
+            _ended.append(self.name)  # no attempt reads it again: executors may drop it
         if self._connect:
             return  # uploaded to the remote driver at once; nothing is left here
         with contextlib.suppress(OSError):
@@ -99,11 +114,85 @@ def executor_path(name: str | None) -> str | None:
     return SparkFiles.get(name)
 
 
+def ended_job_names() -> tuple[str, ...]:
+    """On the driver: the job files of runs this process has ended (the latest ones)."""
+    with _ended_lock:
+        return tuple(_ended)
+
+
+def drop_job_copies(names: tuple[str, ...]) -> None:
+    """Inside a Spark task: remove this executor's copies of the job files ``names`` (runs
+    that ended: nothing reads them again; a name this executor never fetched is skipped)."""
+    if not names:
+        return
+    from pyspark import SparkFiles
+
+    for name in names:
+        with contextlib.suppress(OSError):
+            os.remove(SparkFiles.get(name))
+
+
+@contextlib.contextmanager
+def holding_job_copy(path: str | None, *, remove: bool) -> Iterator[None]:
+    """Inside a Spark task: hold this executor's copy of the job (``path``; None: no file) while
+    the task runs, and with ``remove``, remove it on the way out, whichever way the task ends.
+
+    Tasks of one executor share its copy: each holds a shared lock on it, and only the last to
+    end (an exclusive lock granted at once) removes it. A task's ranks read the job before the
+    rendezvous, which waits for every task's agent, so no task ends well before another took
+    its lock; one that ends first, failing, may remove a copy a slower task still needs: that
+    attempt is over anyway.
+    """
+    if path is None:
+        yield
+        return
+    held = _lock_copy(path, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if held is not None:
+            os.close(held)
+        if remove:
+            _remove_unless_held(path)
+
+
+def _lock_copy(path: str, operation: int) -> int | None:
+    """An open descriptor of ``path`` holding ``operation``'s lock, or None (no such file, or
+    another task holds it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, operation)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        pass  # a file system without locks: every task counts as the last
+    return fd
+
+
+def _remove_unless_held(path: str) -> None:
+    fd = _lock_copy(path, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    if fd is None:
+        return  # gone already, or another task holds it: that one removes it as it ends
+    try:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    finally:
+        os.close(fd)
+
+
+_ended: collections.deque[str] = collections.deque(maxlen=ENDED_JOBS_KEPT)
+_ended_lock = threading.Lock()
+
+
 def sweep_job_leftovers() -> list[str]:
     """Remove job directories this process no longer serves (their SparkContext stopped) and
     those of drivers that died without cleaning up (this user's, this host's, pid gone).
 
-    Cheap (one listing of the temp directory); called at each large job's start.
+    Cheap (one listing of the temp directory); called at every run's start (``_engine``).
 
     Returns:
         The directories removed.

@@ -14,14 +14,18 @@ Non-goals: driver-side Spark queries (``_spark``); what an agent does (``_agent`
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from sparkdist._backends.job_file import executor_path
+from sparkdist._backends.job_file import (
+    drop_job_copies,
+    ended_job_names,
+    executor_path,
+    holding_job_copy,
+)
 from sparkdist._backends.session import is_connect
 from sparkdist._core.addresses import task_host
 from sparkdist._core.errors import ClusterError
@@ -55,6 +59,8 @@ class BarrierStage:
         self._connect = is_connect(session)
         self.job_group = f"sparkdist-{template.run_id}"
         self._cancelled = threading.Event()
+        # Read on the driver now: the tasks remove the executors' copies of these jobs.
+        self._ended_jobs = ended_job_names()
 
     def collect(self) -> list[bytes]:
         """Run the stage on this thread and return every rank's pickled Outcome."""
@@ -62,10 +68,10 @@ class BarrierStage:
             return self._collect_connect()
         sc = self._session.sparkContext
         sc.setJobGroup(self.job_group, f"sparkdist run {self._template.run_id}", True)
-        template, use_gpu = self._template, self._use_gpu
+        template, use_gpu, ended = self._template, self._use_gpu, self._ended_jobs
 
         def task(_: Iterator[Any]) -> Iterator[bytes]:
-            return _barrier_task(template, use_gpu)
+            return _barrier_task(template, use_gpu, ended)
 
         try:
             if self._dataframe is not None:
@@ -87,7 +93,7 @@ class BarrierStage:
             self._session.removeTag(self.job_group)
 
     def _collect_arrow(self, frame: Any) -> list[bytes]:
-        template, use_gpu = self._template, self._use_gpu
+        template, use_gpu, ended = self._template, self._use_gpu, self._ended_jobs
         has_data = self._dataframe is not None  # a plain value: the closure must not hold self
         if has_data:
             # Spark's own schema (ML vectors stay vectors): pyspark's loader reads it per rank.
@@ -100,7 +106,7 @@ class BarrierStage:
             if data is None:
                 for _ in batches:  # the placeholder range's rows: nothing to train on
                     pass
-            for outcome in _barrier_task(template, use_gpu, data):
+            for outcome in _barrier_task(template, use_gpu, ended, data):
                 yield pa.RecordBatch.from_pydict({"outcome": [outcome]})
 
         if self._dataframe is not None:
@@ -123,11 +129,15 @@ class BarrierStage:
 
 
 def _barrier_task(
-    template: AgentSpec, use_gpu: bool, batches: Iterator[Any] | None = None
+    template: AgentSpec,
+    use_gpu: bool,
+    ended_jobs: tuple[str, ...],
+    batches: Iterator[Any] | None = None,
 ) -> Iterator[bytes]:
     import cloudpickle
     from pyspark import BarrierTaskContext
 
+    drop_job_copies(ended_jobs)  # copies of ended runs no task of theirs could remove
     context = BarrierTaskContext.get()
     node_rank = context.partitionId()
     hosts = [task_host(info.address) for info in context.getTaskInfos()]
@@ -151,22 +161,12 @@ def _barrier_task(
         gpu_addresses=gpus,
         job_file=executor_path(template.job_file),
     )
-    outcomes = run_agent(spec, batches, all_gather=context.allGather)
-    _drop_job_copy(spec, context, succeeded=all(o.failure is None for o in outcomes))
+    # The last attempt's copy goes as its tasks end, whichever way (none reads it again); an
+    # earlier attempt's stays for a restart, and goes at a later task once the run has ended.
+    # No barrier meeting decides it: a task killed inside ``allGather`` (a stage cancelled on
+    # a timeout or a cancel) ends its whole executor (Spark's TaskKilledException escapes a
+    # JVM thread), and the copy stayed anyway.
+    with holding_job_copy(spec.job_file, remove=spec.restart_count >= spec.max_restarts):
+        outcomes = run_agent(spec, batches, all_gather=context.allGather)
     for outcome in outcomes:
         yield cloudpickle.dumps(outcome)
-
-
-def _drop_job_copy(spec: AgentSpec, context: Any, *, succeeded: bool) -> None:
-    """Remove this executor's copy of a large job (Spark leaves what ``addFile`` fetched in
-    the executor's work directory for good) once no later attempt of the run can read it:
-    after the last attempt, or after one where every task's ranks succeeded (no restart)."""
-    if spec.job_file is None:
-        return
-    # Every task meets here. Tasks may share the copy (local[n] runs them in one process), so
-    # it goes only once every rank of the run has loaded it.
-    verdicts = context.allGather("ok" if succeeded else "failed")
-    if "failed" in verdicts and spec.restart_count < spec.max_restarts:
-        return  # a restart may run here again
-    with contextlib.suppress(OSError):
-        os.remove(spec.job_file)

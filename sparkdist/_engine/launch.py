@@ -29,7 +29,7 @@ from typing import Any
 
 from sparkdist._backends.base import Backend, RunningAgents
 from sparkdist._backends.choose import select_backend
-from sparkdist._backends.job_file import JobFile, job_file_name
+from sparkdist._backends.job_file import JobFile, job_file_name, sweep_job_leftovers
 from sparkdist._core.attempts import attempt_of, final_error, hosts_to_avoid
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
@@ -192,6 +192,7 @@ class Launch:
         )
         # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
         self._tracker = RunTracker(config, placement, self.run_id)
+        sweep_job_leftovers()  # killed drivers' job files go at any start, whatever its mode
         try:
             if prepared.plan.job_as_file:
                 self._job_file = JobFile(self._backend.session, prepared.job_bytes, self.run_id)

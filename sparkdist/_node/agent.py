@@ -48,6 +48,7 @@ from sparkdist._node.outcomes import detached_outcomes, outcome_of
 from sparkdist._node.output import pump_lines, pump_notes, stderr_noise
 from sparkdist._node.partition import partition_path, write_partition
 from sparkdist._node.preflight import refusal_of
+from sparkdist._node.rank_process import StartStop, StartStopped
 from sparkdist._node.ranks import RankHandle, end_ranks, node_extra_env, spawn_rank, wait_for_exit
 from sparkdist._node.sampler import sampling
 from sparkdist._node.spec import AgentSpec
@@ -136,6 +137,7 @@ class Agent:
         self.aborting = False
         self.abort_reason = ""
         self.stop_reason: str | None = None  # set by ``stop``: spawn nothing more
+        self.start_stop = StartStop()  # ``stop`` also wakes a start waiting on a zygote
         self.driver_lost_at: float | None = None  # monotonic; the channel closed mid-run
         self.lock = threading.Lock()
 
@@ -220,6 +222,7 @@ class Agent:
                 self.aborting = True
                 self.abort_reason = reason
             workers = list(self.workers.values())
+        self.start_stop.set(reason)
         self.events.put(("abort", reason))  # wakes the watching thread
         # Even when the agent is already aborting (on its own thread): return only once
         # every rank is gone.
@@ -233,16 +236,20 @@ class Agent:
         for seat in seats_of_node(spec.node_rank, spec.processes_per_node, spec.num_nodes):
             if self.stop_reason is not None:
                 return  # ``stop`` came before this rank started
-            worker = spawn_rank(
-                spec,
-                seat,
-                run_dir=run_dir,
-                job_file=job_file,
-                code_dir=self.code_dir,
-                extra_env=extra,
-                expects_data=self.expects_data,
-                network=self.network,
-            )
+            try:
+                worker = spawn_rank(
+                    spec,
+                    seat,
+                    run_dir=run_dir,
+                    job_file=job_file,
+                    code_dir=self.code_dir,
+                    extra_env=extra,
+                    expects_data=self.expects_data,
+                    network=self.network,
+                    stop=self.start_stop,
+                )
+            except StartStopped:
+                return  # ``stop`` came while this rank's start waited
             with self.lock:
                 self.workers[seat.rank] = worker
                 if self.stop_reason is not None:

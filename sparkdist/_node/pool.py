@@ -26,7 +26,7 @@ from collections.abc import Mapping
 
 from sparkdist._core.env import WORKER_POOL_VAR
 from sparkdist._core.files import sweep_dead_owners
-from sparkdist._node.rank_process import ColdProcess, RankProcess
+from sparkdist._node.rank_process import ColdProcess, RankProcess, StartStop, StartStopped
 from sparkdist._node.zygote_client import (
     FORK_ANSWER_TIMEOUT_S as FORK_ANSWER_TIMEOUT_S,
 )
@@ -46,22 +46,36 @@ MAX_ZYGOTES = 3
 
 
 def start_rank(
-    env: Mapping[str, str], ctrl_fds: tuple[int, int], shipped_code: str | None = None
+    env: Mapping[str, str],
+    ctrl_fds: tuple[int, int],
+    shipped_code: str | None = None,
+    stop: StartStop | None = None,
 ) -> RankProcess:
     """Start one rank with ``env``; ``ctrl_fds`` are its command-read and notes-write ends,
     whose numbers ``env`` already names (they are renumbered when the rank is forked).
 
     ``shipped_code`` is the run's unpacked code directory at the front of ``PYTHONPATH``: the
     rank adds it to ``sys.path`` itself, so it does not make a zygote of its own.
+
+    Raises:
+        StartStopped: ``stop`` (the agent's) was set while the zygote had not answered.
     """
     zygote = _lease(zygote_key(env, shipped_code), env)
     if zygote is not None:
         try:
-            return zygote.fork(env, ctrl_fds)
+            return zygote.fork(env, ctrl_fds, stop)
+        except StartStopped:
+            # It owes an answer nobody reads (and may be frozen): no rank of a later start
+            # waits on it; the rank it may still fork ends with it.
+            _retire(zygote, "a stopped start gave up waiting for its answer")
+            _release(zygote)
+            raise
         except OSError as exc:
             logger.warning("sparkdist: the warm worker pool failed (%s); starting a rank cold", exc)
             _retire(zygote, str(exc))
             _release(zygote)
+    if stop is not None:
+        stop.check()  # stopped while the zygote failed: nothing is started in its place
     return ColdProcess(env, ctrl_fds)
 
 

@@ -2,16 +2,20 @@
 
 ``RankProcess`` is the interface (pid, output pipes, exit status); ``ColdProcess`` starts the
 worker as a fresh interpreter (``python_command``). A warm start is ``zygote_client``'s.
+``StartStop`` is the agent's stop as a start in progress sees it.
 
 Non-goals: choosing warm or cold (``pool``); what a rank does (``worker``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import IO
 
 from sparkdist._core.env import PARENT_PID_VAR
@@ -76,3 +80,51 @@ class ColdProcess(RankProcess):
     def poll(self) -> int | None:
         self.returncode = self._popen.poll()
         return self.returncode
+
+
+class StartStopped(Exception):
+    """A rank's start was given up because its agent was stopped meanwhile: nothing is to be
+    started in its place (not even cold)."""
+
+
+class StartStop:
+    """The agent's stop, reaching a rank's start that waits on a zygote.
+
+    A frozen zygote accepts a spawn request and never answers; its requester would wait out
+    the whole answer deadline, and the agent's stop (a start deadline passed, a cancel) could
+    not end the agent before. ``set`` shuts the waiting request's socket down, which wakes its
+    wait at once; the start then raises ``StartStopped``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.reason: str | None = None
+        self._waiting: set[socket.socket] = set()
+
+    def set(self, reason: str) -> None:
+        """Stop every start now and to come, from any thread."""
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+            # Under the lock: a socket leaves ``_waiting`` (under it too) before it is closed,
+            # so a shut-down never reaches a descriptor number reused since.
+            for sock in self._waiting:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def check(self) -> None:
+        """Raise ``StartStopped`` if the agent was stopped."""
+        if self.reason is not None:
+            raise StartStopped(self.reason)
+
+    @contextlib.contextmanager
+    def interrupting(self, sock: socket.socket) -> Iterator[None]:
+        """While inside, ``set`` wakes any wait on ``sock`` (close it only after leaving)."""
+        with self._lock:
+            self.check()
+            self._waiting.add(sock)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waiting.discard(sock)

@@ -40,7 +40,7 @@ from sparkdist._node.interfaces import NodeNetwork
 from sparkdist._node.output import LAST_LINES
 from sparkdist._node.partition import partition_path, write_schema
 from sparkdist._node.pool import start_rank
-from sparkdist._node.rank_process import RankProcess
+from sparkdist._node.rank_process import RankProcess, StartStop
 from sparkdist._node.reaper import end_processes, start_time
 from sparkdist._node.spec import AgentSpec
 from sparkdist._shipping.code import put_code_first
@@ -112,12 +112,16 @@ def spawn_rank(
     extra_env: Mapping[str, str],
     expects_data: bool,
     network: NodeNetwork | None = None,
+    stop: StartStop | None = None,
 ) -> RankHandle:
     """Start the rank at ``seat`` (warm pool or cold) and return its handle.
 
     ``network`` is what the agent decided of this node's network (``interfaces``): the
     ``MASTER_ADDR`` as an address and the interface gloo and NCCL use; without it, the spec's
     master as given and no interface.
+
+    Raises:
+        StartStopped: ``stop`` (the agent's) came while the start waited; nothing started.
     """
     network = network or NodeNetwork(spec.master_addr)
     env = worker_env(
@@ -147,7 +151,7 @@ def spawn_rank(
             run_dir, seat.rank
         )
     try:
-        proc = start_rank(env, (cmd_read, note_write), shipped_code=code_dir)
+        proc = start_rank(env, (cmd_read, note_write), shipped_code=code_dir, stop=stop)
     except BaseException:
         for fd in (cmd_write, note_read):
             os.close(fd)

@@ -23,7 +23,12 @@ from typing import IO
 
 from sparkdist._core.env import ZYGOTE_VAR
 from sparkdist._core.files import make_owned_dir, unix_socket_address
-from sparkdist._node.rank_process import RankProcess, python_command
+from sparkdist._node.rank_process import (
+    RankProcess,
+    StartStop,
+    StartStopped,
+    python_command,
+)
 
 #: How long a zygote may take to import torch and start listening.
 ZYGOTE_START_TIMEOUT_S = 120.0
@@ -95,26 +100,41 @@ class Zygote:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def fork(self, env: Mapping[str, str], ctrl_fds: tuple[int, int]) -> RankProcess:
+    def fork(
+        self, env: Mapping[str, str], ctrl_fds: tuple[int, int], stop: StartStop | None = None
+    ) -> RankProcess:
+        """Ask the zygote for a rank.
+
+        Raises:
+            OSError: the zygote failed the request (it is stuck or gone): start the rank cold.
+            StartStopped: ``stop`` came first (the agent's stop wakes the wait at once).
+        """
+        stop = stop if stop is not None else StartStop()
         out_read, out_write = os.pipe()
         err_read, err_write = os.pipe()
+        # Owned by these objects from here on (closed once, by them, whatever happens).
+        stdout, stderr = os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb")
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.settimeout(FORK_ANSWER_TIMEOUT_S)  # a stuck zygote's full backlog blocks too
-            with unix_socket_address(self.socket_path) as address:
-                conn.connect(address)
-            body = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode()
-            socket.send_fds(conn, [len(body).to_bytes(4, "big")], [out_write, err_write, *ctrl_fds])
-            conn.sendall(body)
-            conn.settimeout(None)
-            process = ForkedProcess(
-                self, conn, os.fdopen(out_read, "rb"), os.fdopen(err_read, "rb")
-            )
-        except (OSError, ValueError) as exc:
+            with stop.interrupting(conn):
+                conn.settimeout(FORK_ANSWER_TIMEOUT_S)  # a stuck zygote's full backlog blocks too
+                with unix_socket_address(self.socket_path) as address:
+                    conn.connect(address)
+                body = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode()
+                header = [len(body).to_bytes(4, "big")]
+                socket.send_fds(conn, header, [out_write, err_write, *ctrl_fds])
+                conn.sendall(body)
+                conn.settimeout(None)
+                process = ForkedProcess(self, conn, stdout, stderr)
+        except BaseException as exc:
             conn.close()
-            os.close(out_read)
-            os.close(err_read)
-            raise OSError(f"spawn request failed: {exc}") from exc
+            stdout.close()
+            stderr.close()
+            if stop.reason is not None:  # whatever broke the request, the stop came first
+                raise StartStopped(stop.reason) from exc
+            if isinstance(exc, (OSError, ValueError)):
+                raise OSError(f"spawn request failed: {exc}") from exc
+            raise
         finally:
             os.close(out_write)
             os.close(err_write)

@@ -8,6 +8,7 @@ Spark file (over ``job_size_warn_mb``).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import glob
 import json
 import os
@@ -16,8 +17,10 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 
 import numpy as np
+import psutil
 import pytest
 
 from sparkdist import Distributor, WorkerFailedError
@@ -26,7 +29,7 @@ from sparkdist._core import files
 from sparkdist._core.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
-from tests.conftest import REPO, _stop_session, run_processes
+from tests.conftest import FAST_JVM_OPTIONS, REPO, _stop_session, run_processes
 
 
 def mode_of(path) -> int:
@@ -204,3 +207,96 @@ def test_the_job_directory_goes_when_the_driver_exits(tmp_path):
     [directory] = json.loads(proc.stdout.strip().splitlines()[-1])  # there before exit
     assert not os.path.exists(directory)  # removed at exit, the session still up
     assert not glob.glob(os.path.join(tmp_path, "sparkdist_job-*"))
+
+
+_WAITING_DRIVER = textwrap.dedent(
+    """
+    import os, sys, time
+    import numpy as np
+    from pyspark.sql import SparkSession
+    from sparkdist import Distributor
+
+    go, jvm_options = sys.argv[1], sys.argv[2]
+    spark = (SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+             .config("spark.driver.host", "127.0.0.1")
+             .config("spark.driver.extraJavaOptions", jvm_options).getOrCreate())
+    data = np.arange(300_000, dtype=np.float64)  # ~2.4 MB pickled: over job_size_warn_mb=1
+
+    def train():
+        while not os.path.exists(go):
+            time.sleep(0.02)  # the test's signal is a file
+        return float(data[-1])
+
+    print(Distributor(1, local_mode=False, use_gpu=False, job_size_warn_mb=1).run(train))
+    """
+)
+
+
+def _job_file_of(pid: int, deadline: float) -> str:
+    """The job file the driver ``pid`` serves, once it exists (its run has started)."""
+    pattern = os.path.join(tempfile.gettempdir(), f"sparkdist_job-*-{pid}-*", "sparkdist-job-*")
+    while time.monotonic() < deadline:
+        found = glob.glob(pattern)
+        if found and os.path.getsize(found[0]) > 2_000_000:  # written whole before it is named
+            return found[0]
+        time.sleep(0.1)  # the driver starts a JVM first: nothing to handshake with
+    raise AssertionError(f"driver {pid} served no job file in time")
+
+
+def _gone(processes: list[psutil.Process], timeout_s: float) -> bool:
+    """Whether every one of ``processes`` ended within ``timeout_s`` (zombies count as ended)."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                return False
+    return True
+
+
+@pytest.mark.spark
+@pytest.mark.slow  # two drivers with a JVM each
+@pytest.mark.timeout(300)
+def test_a_killed_spark_drivers_job_file_goes_at_a_local_mode_start(tmp_path):
+    """A driver SIGKILLed mid-run (Spark mode, a large job) leaves its job file; the next run
+    on the host, in local mode, removes it, and leaves a live driver's job file alone."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+
+    def driver(go):
+        return subprocess.Popen(
+            [sys.executable, "-c", _WAITING_DRIVER, str(go), FAST_JVM_OPTIONS],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    killed, live = driver(tmp_path / "never"), driver(tmp_path / "go")
+    everything = [psutil.Process(killed.pid), psutil.Process(live.pid)]
+    try:
+        deadline = time.monotonic() + 240
+        killed_file = _job_file_of(killed.pid, deadline)
+        live_file = _job_file_of(live.pid, deadline)
+        killed_tree = psutil.Process(killed.pid).children(recursive=True)
+        everything += killed_tree + psutil.Process(live.pid).children(recursive=True)
+        killed.kill()
+        killed.wait()
+        # Its JVM sees its stdin close, and everything under it ends (the ranks too).
+        assert _gone(killed_tree, 60), "the killed driver's processes outlived it"
+        assert os.path.exists(killed_file)  # nobody removed it: the next start must
+
+        assert Distributor(1, use_gpu=False).run(int) == 0  # the next start: local mode
+
+        assert not os.path.exists(os.path.dirname(killed_file))
+        assert os.path.getsize(live_file) > 2_000_000 and mode_of(live_file) == 0o600
+        (tmp_path / "go").touch()
+        out, err = live.communicate(timeout=120)
+        assert live.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1] == "299999.0"  # its run read its job file
+    finally:
+        for proc in everything:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        for proc in (killed, live):
+            proc.communicate()
+    assert _gone(everything, 30)
+    assert not os.path.exists(os.path.dirname(live_file))  # its own exit removed it

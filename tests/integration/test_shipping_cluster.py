@@ -16,14 +16,16 @@ import sysconfig
 import tempfile
 import textwrap
 import threading
+import time
 import venv
 from collections.abc import Iterator
+from concurrent.futures import CancelledError
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from sparkdist import ClusterError, ConfigError, Distributor
+from sparkdist import ClusterError, ConfigError, Distributor, RunTimeoutError
 from tests.conftest import FAST_JVM_OPTIONS, run_processes
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
@@ -110,8 +112,9 @@ def test_a_mismatched_requirement_fails_before_any_rank_starts(spark_cluster):
     assert not run_processes()
 
 
-# The executors' copies go after the last attempt, or after one that succeeded with restarts
-# left (no attempt follows); a failed attempt leaves them for the restart, which reads them.
+# The executors' copies go as the last attempt's tasks end; an earlier attempt's stay for a
+# restart (which reads them), and a run that succeeds with restarts left has its copies removed
+# by the application's next barrier task on each executor.
 @pytest.mark.parametrize(
     ("max_restarts", "fail_once"),
     [(0, False), (1, False), (1, True)],
@@ -149,7 +152,71 @@ def test_a_large_job_travels_as_a_file_that_is_emptied_afterwards(
     # Nor does any executor keep its copy (Spark would leave it in work/app-*/ for good).
     app_dirs = glob.glob(os.path.join(_worker_dir(), f"{sc.applicationId}", "*"))
     assert app_dirs, "the executors' work directories were not found"
+    if max_restarts and not fail_once:  # a restart could have followed: the next task sweeps
+        assert Distributor(2, local_mode=False, use_gpu=False).run(int) == 0
     assert not [d for d in app_dirs if os.path.exists(os.path.join(d, name))]
+
+
+def _executor_copies(app_id: str, name: str) -> list[str]:
+    """The executors' copies of the job file ``name`` (in work/<app id>/<executor id>/)."""
+    return glob.glob(os.path.join(_worker_dir(), app_id, "*", name))
+
+
+@pytest.mark.parametrize(
+    ("ending", "max_restarts"),
+    [("timed out", 0), ("cancelled", 0), ("cancelled", 1)],
+    ids=["timed out", "cancelled", "cancelled with restarts left"],
+)
+def test_a_stopped_runs_large_job_leaves_no_copy_on_the_executors(
+    spark_cluster, tmp_path, ending, max_restarts
+):
+    """A run stopped mid-way (its timeout, a cancel) has its stage cancelled, and Spark keeps
+    what an executor fetched until the application ends. The last attempt's tasks remove
+    their executor's copy of the large job as they end; with restarts left a task cannot know
+    that none follows (a stopped run is not restarted), and the application's next barrier
+    task on that executor removes it. No executor is lost on the way (a task killed inside a
+    barrier ``allGather`` takes its executor down with it)."""
+    data = np.arange(1_500_000, dtype=np.float64)  # 11.4 MB
+    marks = str(tmp_path)
+
+    def train():
+        import pathlib
+        import time
+
+        pathlib.Path(marks, f"rank-{os.environ['RANK']}").touch()  # the job was loaded
+        time.sleep(120)
+        return float(data[-1])
+
+    timeout_s = 25 if ending == "timed out" else 200
+    run = Distributor(
+        2,
+        local_mode=False,
+        use_gpu=False,
+        job_size_warn_mb=5,
+        timeout_s=timeout_s,
+        max_restarts=max_restarts,
+    ).run_async(train)
+    app_id = spark_cluster.sparkContext.applicationId
+    name = f"sparkdist-job-{run.run_id}.pkl"
+    executors = sorted(glob.glob(os.path.join(_worker_dir(), app_id, "*")))
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the ranks' marks are files: nothing to handshake with
+        assert sorted(os.listdir(tmp_path)) == ["rank-0", "rank-1"], "the ranks did not start"
+        assert len(_executor_copies(app_id, name)) == 2  # one per executor, while it runs
+    finally:
+        if ending == "cancelled":
+            run.cancel()
+    with pytest.raises(RunTimeoutError if ending == "timed out" else CancelledError):
+        run.result(timeout=120)
+    if max_restarts:
+        # The next run of the application (any run: a small job here) sweeps both executors.
+        assert Distributor(2, local_mode=False, use_gpu=False).run(int) == 0
+    assert _executor_copies(app_id, name) == []
+    # No executor was lost on the way (a lost one is replaced by one with a new directory).
+    assert sorted(glob.glob(os.path.join(_worker_dir(), app_id, "*"))) == executors
+    assert not run_processes()
 
 
 def _worker_dir() -> str:
