@@ -1,11 +1,13 @@
 """An agent's outgoing messages to the driver.
 
 Nothing in the agent ever blocks on the driver's socket: the channel client queues and sends
-on its own thread. Control messages (rendezvous, failures) are never dropped; output lines and
-progress reports are dropped, and counted, when the driver falls behind or is gone, so a slow
-or vanished driver never stalls training. A message that cannot travel (a report over the
-channel's limits) is dropped and counted too, with a warning naming the limit: it never cuts
-the node off. An output line longer than a message allows goes as several.
+on its own thread. Control messages (rendezvous, failures) are never dropped; output lines,
+progress reports and system samples are dropped, and counted, when the driver falls behind or
+is gone, so a slow or vanished driver never stalls training. Reports and samples travel in a
+lane of their own (``client.METRIC_KINDS``), so a rank flooding its output drops its lines,
+never the node's metrics. A message that cannot travel (a report over the channel's limits)
+is dropped and counted too, with a warning naming the limit: it never cuts the node off. An
+output line longer than a message allows goes as several.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Outbox:
 
     @property
     def dropped(self) -> int:
-        """Lines and reports that never reached the driver."""
+        """Lines, reports and samples that never reached the driver."""
         return self._dropped + (self._client.dropped if self._client is not None else 0)
 
     def control(self, message: protocol.Message) -> None:
@@ -60,10 +62,13 @@ class Outbox:
             logger.error("sparkdist: a control message could not be sent: %s", exc)
 
     def line(self, message: protocol.Message) -> None:
-        """Send an output line or a progress report (dropped, and counted, when it cannot go)."""
+        """Send an output line, a progress report or a system sample (dropped, and counted,
+        when it cannot go)."""
         if self._client is None:
             with self._lock:
-                if not self._keep_lines:
+                # Only lines travel back with the outcomes: a report per step or a sample per
+                # interval must not push out the lines that explain a failure.
+                if not self._keep_lines or not isinstance(message, protocol.Log):
                     self._dropped += 1
                     return
                 if len(self.kept) >= self._keep_lines:

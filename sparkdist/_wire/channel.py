@@ -3,15 +3,13 @@ TCP port.
 
 One I/O thread serves every connection with non-blocking sockets (``selectors``), and one
 dispatch thread hands the messages to ``on_message``: the driver's thread count does not grow
-with the number of nodes. What a stranger can cost is bounded: a connection must finish the
-mutual handshake (``frames``) within ``HANDSHAKE_DEADLINE_S`` of its accept, whatever it
-sends; at most ``MAX_PENDING`` connections wait in the handshake (the oldest goes first to
-make room, once it had ``MIN_PENDING_AGE_S`` to finish); running out of file descriptors
-(EMFILE) makes the accept back off, never stop. After the handshake every frame is tagged
-under the connection's key and checked, and every message is checked by ``protocol.decode``:
-nothing received is ever unpickled. A frame that fails ends that connection (its node is then
-lost). Results never travel here; they come back through Spark's collect (or, in local mode,
-the agent's return value).
+with the number of nodes. Until a connection finishes the mutual handshake it belongs to
+``admission`` (deadline, cap, shedding, accept back-off: what a stranger can cost is bounded
+there); this module is the loop over the authenticated agents. Every frame from an agent is
+tagged under the connection's key and checked, and every message is checked by
+``protocol.decode``: nothing received is ever unpickled. A frame that fails ends that
+connection (its node is then lost). Results never travel here; they come back through
+Spark's collect (or, in local mode, the agent's return value).
 
 Back-pressure: when the handlers fall behind (``dispatch``), the I/O thread stops reading from
 agents (TCP then holds their frames, and their droppable output queues fill and drop, counted);
@@ -29,7 +27,6 @@ TCP. The agent's side is ``client.ChannelClient``.
 from __future__ import annotations
 
 import collections
-import errno
 import logging
 import selectors
 import socket
@@ -39,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdist._wire import frames, protocol
+from sparkdist._wire.admission import Admission, Pending, close_quietly, listen
 from sparkdist._wire.client import ChannelClient, ChannelClosed
 from sparkdist._wire.dispatch import Dispatcher, Item
 from sparkdist._wire.frames import new_secret
@@ -59,36 +57,12 @@ __all__ = [
 logger = logging.getLogger("sparkdist")
 
 MAX_FRAME_BYTES = protocol.MAX_FRAME_BYTES
-#: A connection that has not finished the handshake this long after its accept is dropped.
-HANDSHAKE_DEADLINE_S = 2.0
-#: Most connections in the handshake at once.
-MAX_PENDING = 256
-#: A connection in the handshake is not evicted to make room before it had this long.
-MIN_PENDING_AGE_S = 0.1
-#: How long the accept pauses when the process is out of file descriptors and nothing can go.
-ACCEPT_BACKOFF_S = 0.05
-#: Connections accepted per turn of the I/O loop (the others' reads go in between).
-ACCEPT_BATCH = 64
 #: ``close`` returns within this, whatever the agents do.
 CLOSE_TIMEOUT_S = 0.5
 #: Bytes read from one connection per turn (fairness between agents).
 READ_CHUNK = 256 << 10
 #: How often the I/O thread looks for silent agents and beats due.
 PEER_CHECK_INTERVAL_S = BEAT_INTERVAL_S / 4
-_OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
-_LISTENER = object()  # the selector's tag for the listening socket (None tags the wake-up)
-
-
-class _Pending:
-    """A connection in the handshake."""
-
-    __slots__ = ("sock", "accepted", "buffer", "handshake")
-
-    def __init__(self, sock: socket.socket, accepted: float, key: bytes) -> None:
-        self.sock = sock
-        self.accepted = accepted
-        self.buffer = bytearray()
-        self.handshake = frames.ServerHandshake(key)
 
 
 class ChannelServer:
@@ -119,12 +93,8 @@ class ChannelServer:
         self._key = frames.secret_key(secret)
         self._silence_limit_s = silence_limit_s
         self._secret = secret
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener = listen(host)
         try:
-            self._listener.bind((host, 0))
-            self._listener.listen(1024)
-            self._listener.setblocking(False)
             self._wake_r, self._wake_w = socket.socketpair()
         except BaseException:
             self._listener.close()
@@ -141,7 +111,6 @@ class ChannelServer:
         self._wake_sent = False
         self._resume_reads = False
         self._closing = False
-        self._warned: set[str] = set()
         self._dispatcher = Dispatcher(on_message, on_disconnect, self._resume)
         self._io = threading.Thread(target=self._io_loop, name="sparkdist-channel-io", daemon=True)
         self._io.start()
@@ -204,16 +173,19 @@ class ChannelServer:
 
     def _io_loop(self) -> None:
         self._selector = selectors.DefaultSelector()
-        self._pending: collections.OrderedDict[socket.socket, _Pending] = collections.OrderedDict()
         self._round: list[Item] = []
-        self._listening = False
-        self._accept_again_at = 0.0
         self._next_peer_check = 0.0
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._listen(True)
+        self._admission = Admission(
+            self._listener, self._selector, self._key, self._promote, self.stats
+        )
         try:
             while not self._closing:
-                for key, mask in self._selector.select(self._next_timeout()):
+                events = self._selector.select(self._next_timeout())
+                # The listener last: what came for the connections in the handshake is read
+                # before an accept may shed one of them.
+                events.sort(key=lambda event: event[0].data is self._admission)
+                for key, mask in events:
                     try:
                         self._on_event(key.fileobj, key.data, mask)  # type: ignore[arg-type]
                     except Exception:  # one connection's trouble never ends the loop
@@ -230,10 +202,10 @@ class ChannelServer:
     def _on_event(self, fileobj: socket.socket, data: Any, mask: int) -> None:
         if data is None:
             self._on_wake()
-        elif data is _LISTENER:
-            self._accept_some()
-        elif isinstance(data, _Pending):
-            self._on_handshake_readable(data)
+        elif data is self._admission:
+            self._admission.accept_some()
+        elif isinstance(data, Pending):
+            self._admission.on_readable(data)
         elif isinstance(data, Peer):
             if mask & selectors.EVENT_WRITE:
                 self._flush(data)
@@ -242,25 +214,14 @@ class ChannelServer:
 
     def _next_timeout(self) -> float:
         now = time.monotonic()
-        times = [now + 1.0]
-        if self._pending:
-            times.append(next(iter(self._pending.values())).accepted + HANDSHAKE_DEADLINE_S)
-        if not self._listening:
-            times.append(self._accept_again_at)
-        times.append(self._next_peer_check)
+        times = [now + 1.0, self._next_peer_check]
+        if (admission_due := self._admission.next_due()) is not None:
+            times.append(admission_due)
         return max(0.0, min(times) - now)
 
     def _on_timers(self) -> None:
         now = time.monotonic()
-        while self._pending:
-            oldest = next(iter(self._pending.values()))
-            if now - oldest.accepted < HANDSHAKE_DEADLINE_S:
-                break
-            self.stats["handshake_timeouts"] += 1
-            self._note_stranger("did not finish the handshake in time")
-            self._drop_pending(oldest)
-        if not self._listening and now >= self._accept_again_at:
-            self._listen(True)
+        self._admission.on_timers(now)
         if now >= self._next_peer_check:
             # A scan of every peer, a few times a beat: never per frame (thousands of agents).
             self._next_peer_check = now + PEER_CHECK_INTERVAL_S
@@ -305,124 +266,15 @@ class ChannelServer:
                     peer.paused = False
                     self._set_interest(peer)
 
-    # -- accepting ---------------------------------------------------------------------------
+    # -- authenticated peers -----------------------------------------------------------------
 
-    def _listen(self, on: bool) -> None:
-        if on and not self._listening:
-            self._selector.register(self._listener, selectors.EVENT_READ, _LISTENER)
-        elif not on and self._listening:
-            self._selector.unregister(self._listener)
-        self._listening = on
-
-    def _pause_accept(self, seconds: float) -> None:
-        self._listen(False)
-        self._accept_again_at = time.monotonic() + seconds
-
-    def _make_room(self) -> bool:
-        """Evict the oldest connection in the handshake if it had its minimum time; else pause
-        the accept until it has. True when there is room now."""
-        if not self._pending:
-            self._pause_accept(ACCEPT_BACKOFF_S)
-            return False
-        oldest = next(iter(self._pending.values()))
-        age = time.monotonic() - oldest.accepted
-        if age < MIN_PENDING_AGE_S:
-            self._pause_accept(MIN_PENDING_AGE_S - age)
-            return False
-        self.stats["evicted"] += 1
-        self._drop_pending(oldest)
-        return True
-
-    def _accept_some(self) -> None:
-        for _ in range(ACCEPT_BATCH):
-            if len(self._pending) >= MAX_PENDING and not self._make_room():
-                return
-            try:
-                sock, _ = self._listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in _OUT_OF_FDS:
-                    # Out of descriptors: free one (the oldest stranger) or wait; never die.
-                    self.stats["accept_backoffs"] += 1
-                    self._warn_once(
-                        "fds",
-                        "sparkdist: the control channel ran out of file descriptors (%s); it "
-                        "drops the oldest unauthenticated connections and backs off. Raise the "
-                        "limit (ulimit -n) if this is not an attack",
-                        exc,
-                    )
-                    if not self._make_room():
-                        return
-                    continue
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
-                    continue  # the client gave up before we got to it
-                logger.warning("sparkdist: control channel accept failed: %s", exc)
-                self._pause_accept(ACCEPT_BACKOFF_S)
-                return
-            self.stats["accepted"] += 1
-            try:
-                sock.setblocking(False)
-                pending = _Pending(sock, time.monotonic(), self._key)
-                self._selector.register(sock, selectors.EVENT_READ, pending)
-            except (OSError, ValueError):
-                sock.close()
-                continue
-            self._pending[sock] = pending
-            self.stats["peak_pending"] = max(self.stats["peak_pending"], len(self._pending))
-
-    # -- the handshake -----------------------------------------------------------------------
-
-    def _on_handshake_readable(self, pending: _Pending) -> None:
-        try:
-            data = pending.sock.recv(frames.HEADER.size + MAX_HANDSHAKE_BYTES)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._drop_pending(pending)
-            return
-        if not data:
-            self._drop_pending(pending)
-            return
-        pending.buffer += data
-        try:
-            while (body := frames.split_frame(pending.buffer, MAX_HANDSHAKE_BYTES)) is not None:
-                outcome = pending.handshake.step(protocol.decode(body, Route.HANDSHAKE))
-                if isinstance(outcome, frames.Sealer):
-                    if pending.buffer:  # nothing may come before the welcome
-                        raise frames.HandshakeRefused("malformed", "sent too much too early")
-                    self._promote(pending, outcome)
-                    return
-                if not self._send_small(pending.sock, outcome):
-                    self._drop_pending(pending)
-                    return
-        except frames.HandshakeRefused as exc:
-            self.stats[exc.kind] += 1
-            if exc.kind == "version":
-                self._warn_once("version", "sparkdist: an agent %s", exc)
-            else:
-                self._note_stranger(str(exc))
-            self._drop_pending(pending)
-        except (ProtocolError, frames.FrameError) as exc:
-            self.stats["malformed"] += 1
-            self._note_stranger(f"sent a malformed handshake ({exc})")
-            self._drop_pending(pending)
-
-    def _send_small(self, sock: socket.socket, data: bytes) -> bool:
-        # A fresh connection's send buffer takes a handshake frame whole; one that does not
-        # is not worth waiting for.
-        try:
-            return sock.send(data) == len(data)
-        except OSError:
-            return False
-
-    def _promote(self, pending: _Pending, sealer: frames.Sealer) -> None:
-        del self._pending[pending.sock]
-        peer = Peer(self._want, pending.sock, sealer, self._silence_limit_s)
+    def _promote(self, sock: socket.socket, sealer: frames.Sealer) -> None:
+        """An agent proved itself (``admission``): it is a peer from now on."""
+        peer = Peer(self._want, sock, sealer, self._silence_limit_s)
         peer.events = selectors.EVENT_READ
-        self._selector.modify(pending.sock, selectors.EVENT_READ, peer)
+        self._selector.modify(sock, selectors.EVENT_READ, peer)
         try:
-            pending.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
         with self._lock:
@@ -437,20 +289,6 @@ class ChannelServer:
             peer.send(protocol.Welcome())
         except ChannelClosed:
             self._drop_peer(peer, "it went away during the handshake")
-
-    def _drop_pending(self, pending: _Pending) -> None:
-        self._pending.pop(pending.sock, None)
-        _close_quietly(self._selector, pending.sock)
-
-    def _note_stranger(self, what: str) -> None:
-        self._warn_once(
-            "stranger",
-            "sparkdist: refused a control connection that %s; later ones are counted in "
-            "ChannelServer.stats, not logged",
-            what,
-        )
-
-    # -- authenticated peers -----------------------------------------------------------------
 
     def _on_peer_readable(self, peer: Peer) -> None:
         try:
@@ -537,7 +375,7 @@ class ChannelServer:
                 self._selector.unregister(peer.sock)
             except (KeyError, ValueError):
                 pass
-        _close_quietly(None, peer.sock)
+        close_quietly(None, peer.sock)
         if why is not None:
             logger.warning("sparkdist: dropped node %s's control connection: %s", peer.node, why)
         if known:
@@ -548,29 +386,8 @@ class ChannelServer:
             peers, self._peers = self._peers, []
         for peer in peers:
             peer.mark_closed()
-            _close_quietly(None, peer.sock)
-        for pending in list(self._pending.values()):
-            _close_quietly(None, pending.sock)
-        self._pending.clear()
-        for sock in (self._listener, self._wake_r, self._wake_w):
-            _close_quietly(None, sock)
+            close_quietly(None, peer.sock)
+        self._admission.close()
+        for sock in (self._wake_r, self._wake_w):
+            close_quietly(None, sock)
         self._selector.close()
-
-    def _warn_once(self, key: str, text: str, *args: Any) -> None:
-        if key in self._warned:
-            logger.debug(text, *args)
-        else:
-            self._warned.add(key)
-            logger.warning(text, *args)
-
-
-def _close_quietly(selector: selectors.BaseSelector | None, sock: socket.socket) -> None:
-    if selector is not None:
-        try:
-            selector.unregister(sock)
-        except (KeyError, ValueError):
-            pass
-    try:
-        sock.close()
-    except OSError:
-        pass

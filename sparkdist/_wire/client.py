@@ -10,9 +10,12 @@ Liveness (``liveness``): the I/O thread sends a beat when it sent nothing for a 
 interval, and, given a silence limit, ends the connection once the driver was silent that
 long (``on_close`` then gets the seconds of silence): a driver host cut off sends no FIN.
 
-Two queues, both bounded: ``send`` (control: never dropped; it waits for room, up to
-``SEND_TIMEOUT_S``, if the driver stopped reading) and ``post`` (output lines, progress:
-dropped and counted when full, never waits). Nothing here blocks on the network.
+Three queues, all bounded, sent in this order: ``send`` (control: never dropped; it waits
+for room, up to ``SEND_TIMEOUT_S``, if the driver stopped reading), then ``post``'s two lanes,
+which never wait: samples and progress reports (``METRIC_KINDS``: few, and what the driver's
+panels are drawn from; when full, the oldest go), then output lines (dropped, and counted,
+when full: a rank can print faster than any driver reads, and that must never push the
+metrics out). Nothing here blocks on the network.
 
 Non-goals: what to send (the agent's outbox decides), the driver's side (``channel``).
 """
@@ -46,9 +49,15 @@ KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
 CLOSE_FLUSH_S = 2.0
 #: Control messages queued at most (they are few: hello, store, ready, failed, rows, bye).
 CONTROL_QUEUE = 4096
-#: Droppable messages queued at most, and their bytes.
+#: Output lines queued at most, and their bytes.
 POST_QUEUE = 10_000
 POST_QUEUE_BYTES = 4 << 20
+#: What ``post`` queues in a lane of its own, ahead of the lines.
+METRIC_KINDS = (protocol.Sample, protocol.Report)
+#: Samples and reports queued at most, and their bytes (more than a message's limit, so the
+#: newest always fits).
+METRIC_QUEUE = 512
+METRIC_QUEUE_BYTES = 2 << 20
 #: A frame is filled up to this many bytes of messages (one larger message goes alone).
 BATCH_BYTES = 256 << 10
 #: Droppable messages wait up to this long for company, so that a busy agent sends a few
@@ -106,16 +115,18 @@ class ChannelClient:
         self._control: collections.deque[bytes] = collections.deque()
         self._posted: collections.deque[bytes] = collections.deque()
         self._posted_bytes = 0
+        self._metrics: collections.deque[tuple[bytes, bool]] = collections.deque()  # is a sample
+        self._metric_bytes = 0
         self._out = bytearray()
         self._idle = False  # the I/O thread waits with nothing to send: wake it on new work
         self._wake_pending = False
-        self._posted_since = 0.0  # when the droppable queue last became non-empty
+        self._posted_since = 0.0  # when the droppable lanes last became non-empty
         self._closing_at: float | None = None  # set by close: send what is queued until then
         self._live = Liveness.starting(silence_limit_s, time.monotonic(), time.time())
         #: Set when the driver's silence ended the connection: how long it had lasted.
         self.silent_for: float | None = None
         self.closed = False
-        #: Droppable messages dropped because the queue was full or the connection gone.
+        #: Droppable messages dropped because their lane was full or the connection gone.
         self.dropped = 0
         self._thread = threading.Thread(
             target=self._run, name="sparkdist-channel-client", daemon=True
@@ -149,8 +160,9 @@ class ChannelClient:
                 self._cond.wait(left)
             if self.closed or self._closing_at is not None:
                 raise ChannelClosed(f"the channel to the driver at {self.address} is closed")
-            if after_posted and self._posted:
-                # Behind the lines, never dropped: the droppable queue's limits do not apply.
+            if after_posted and self._droppable():
+                # Behind the lines (which go after the metrics), never dropped: the lanes'
+                # limits do not apply.
                 self._posted.append(data)
                 self._posted_bytes += len(data)
                 self._posted_since = 0.0  # due now: nothing lingers behind a last message
@@ -159,35 +171,55 @@ class ChannelClient:
             self._kick(urgent=True)
 
     def post(self, message: protocol.Message) -> bool:
-        """Queue a droppable message (an output line, a report); False when it was dropped
-        (queue full, connection gone), counted in ``dropped``. Never waits.
+        """Queue a droppable message: an output line, or (in their own lane, ``METRIC_KINDS``)
+        a sample or a report. False when it was dropped (lines: their lane full; any: the
+        connection gone), counted in ``dropped``, as are the metrics it pushed out. Never waits.
 
         Raises:
             ProtocolError: ``message`` is not one an agent may send.
         """
         data = protocol.encode(message, Route.TO_DRIVER)
+        metric = isinstance(message, METRIC_KINDS)
         with self._cond:
-            if (
-                self.closed
-                or self._closing_at is not None
-                or len(self._posted) >= POST_QUEUE
-                or self._posted_bytes + len(data) > POST_QUEUE_BYTES
-            ):
+            full = not metric and (  # the metrics' lane makes room for the newest instead
+                len(self._posted) >= POST_QUEUE or self._posted_bytes + len(data) > POST_QUEUE_BYTES
+            )
+            if self.closed or self._closing_at is not None or full:
                 self.dropped += 1
                 return False
-            if not self._posted:
+            if not self._droppable():
                 self._posted_since = time.monotonic()
-            self._posted.append(data)
-            self._posted_bytes += len(data)
+            if metric:
+                self._queue_metric(data, isinstance(message, protocol.Sample))
+            else:
+                self._posted.append(data)
+                self._posted_bytes += len(data)
             self._kick()
             return True
+
+    def _queue_metric(self, data: bytes, sample: bool) -> None:
+        """Queue a sample or report, pushing out the oldest report, else the oldest sample,
+        until it fits (caller holds the lock). The newest wins: both say how things are now,
+        and the oldest says least of that. Samples outlast reports: one comes per interval
+        (a missing one is a hole in the node's system panel), reports come per step (the
+        next one says what a lost one did)."""
+        metrics = self._metrics
+        while metrics and (
+            len(metrics) >= METRIC_QUEUE or self._metric_bytes + len(data) > METRIC_QUEUE_BYTES
+        ):
+            victim = next((i for i, (_, is_sample) in enumerate(metrics) if not is_sample), 0)
+            self._metric_bytes -= len(metrics[victim][0])
+            del metrics[victim]
+            self.dropped += 1
+        metrics.append((data, sample))
+        self._metric_bytes += len(data)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything queued was handed to the network; False on timeout or when
         the connection ended first."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while self._control or self._posted or self._out:
+            while self._control or self._droppable() or self._out:
                 left = deadline - time.monotonic()
                 if self.closed or left <= 0:
                     return False
@@ -219,14 +251,21 @@ class ChannelClient:
             except OSError:
                 pass
 
+    def _droppable(self) -> bool:
+        """Whether lines, samples or reports wait (caller holds the lock)."""
+        return bool(self._posted or self._metrics)
+
     def _due(self, now: float) -> bool:
         """Whether queued messages should go now rather than linger (caller holds the lock)."""
         return bool(
             self._control
             or self._closing_at is not None
             or (
-                self._posted
-                and (now - self._posted_since >= LINGER_S or self._posted_bytes >= BATCH_BYTES)
+                self._droppable()
+                and (
+                    now - self._posted_since >= LINGER_S
+                    or self._posted_bytes + self._metric_bytes >= BATCH_BYTES
+                )
             )
         )
 
@@ -249,15 +288,16 @@ class ChannelClient:
                 with self._cond:
                     now = time.monotonic()
                     if self._closing_at is not None and (
-                        not (self._control or self._posted or self._out) or now >= self._closing_at
+                        not (self._control or self._droppable() or self._out)
+                        or now >= self._closing_at
                     ):
                         return
                     want_write = bool(self._out)
                     if self._due(now) and not want_write:
                         continue  # the socket took it all: fill the next frame now
-                    self._idle = not (want_write or self._control or self._posted)
+                    self._idle = not (want_write or self._control or self._droppable())
                     timeout = None
-                    if self._posted and not want_write:  # linger until the oldest is due
+                    if self._droppable() and not want_write:  # linger until the oldest is due
                         timeout = max(0.0, self._posted_since + LINGER_S - now)
                     if self._closing_at is not None:
                         timeout = min(timeout or LINGER_S, max(0.0, self._closing_at - now))
@@ -322,13 +362,21 @@ class ChannelClient:
         with self._cond:
             if not self._due(time.monotonic()):
                 return
-            for queue in (self._control, self._posted):
-                while queue and (not batch or size + len(queue[0]) + 1 <= BATCH_BYTES):
-                    data = queue.popleft()
-                    if queue is self._posted:
-                        self._posted_bytes -= len(data)
-                    batch.append(data)
-                    size += len(data) + 1
+            while self._control and (not batch or size + len(self._control[0]) + 1 <= BATCH_BYTES):
+                batch.append(data := self._control.popleft())
+                size += len(data) + 1
+            # Metrics before lines: every frame takes what waits in the small lane first.
+            while self._metrics and (
+                not batch or size + len(self._metrics[0][0]) + 1 <= BATCH_BYTES
+            ):
+                data, _ = self._metrics.popleft()
+                self._metric_bytes -= len(data)
+                batch.append(data)
+                size += len(data) + 1
+            while self._posted and (not batch or size + len(self._posted[0]) + 1 <= BATCH_BYTES):
+                batch.append(data := self._posted.popleft())
+                self._posted_bytes -= len(data)
+                size += len(data) + 1
             if batch:
                 # Under the lock: ``flush`` must never see the batch in neither place.
                 self._out += self._sealer.seal(protocol.encode_batch(batch))
@@ -349,7 +397,7 @@ class ChannelClient:
             return True
         if self._live.beat_due(now):
             with self._cond:
-                if not (self._control or self._posted or self._out):
+                if not (self._control or self._droppable() or self._out):
                     self._control.append(protocol.encode(protocol.Alive(), Route.TO_DRIVER))
             self._live.sent(now)  # queued now: sent on this turn
         return False
@@ -368,8 +416,9 @@ class ChannelClient:
     def _finish(self) -> None:
         with self._cond:
             self.closed = True
-            self.dropped += len(self._posted)
+            self.dropped += len(self._posted) + len(self._metrics)
             self._posted.clear()
+            self._metrics.clear()
             self._control.clear()
             self._out.clear()
             self._cond.notify_all()

@@ -143,7 +143,7 @@ class Refused:
 @dataclass(frozen=True)
 class Bye:
     """Agent to driver, last: every rank of ``node`` ended and all its output was sent,
-    except ``dropped`` lines (and reports) that the driver could not take in time."""
+    except ``dropped`` lines (and reports, samples) that the driver could not take in time."""
 
     node: int
     dropped: int = 0

@@ -1,6 +1,7 @@
 """Attacks on the control channel from another process on this host, with raw sockets on
 127.0.0.1: a connection flood to EMFILE, forged, replayed and reordered frames, a relay that
-rewrites the rendezvous, a slow drip, oversized frames and garbage handshakes.
+rewrites the rendezvous, a slow drip, thousands of slow drips held open, oversized frames and
+garbage handshakes.
 
 Each test bounds its connections and its time, and checks that the legitimate agent still
 gets through (or fails with the right cause) and that the server still shuts down fast.
@@ -8,10 +9,14 @@ gets through (or fails with the right cause) and that the server still shuts dow
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import queue
+import resource
+import selectors
 import socket
 import struct
 import subprocess
@@ -24,9 +29,9 @@ import pytest
 
 from sparkdist._core.env import ROWS_PER_RANK_VAR
 from sparkdist._wire import frames, protocol
+from sparkdist._wire.admission import HANDSHAKE_DEADLINE_S
 from sparkdist._wire.channel import (
     CLOSE_TIMEOUT_S,
-    HANDSHAKE_DEADLINE_S,
     ChannelClient,
     ChannelClosed,
     ChannelServer,
@@ -241,7 +246,11 @@ def test_a_slow_drip_is_cut_at_the_deadline_and_never_delays_anyone(served):
 
     def drip() -> None:
         started = time.monotonic()
-        with socket.create_connection((HOST, server.port)) as sock:
+        try:
+            sock = socket.create_connection((HOST, server.port))
+        except OSError:
+            return  # a late one that came after the close (an early one is missed below)
+        with sock:
             try:
                 for byte in hello:  # one byte every 50 ms: the hello would take ~5 s
                     sock.sendall(bytes([byte]))
@@ -386,7 +395,10 @@ from sparkdist._wire.channel import ChannelServer, new_secret
 
 def on_message(peer, message):
     if isinstance(message, protocol.Hello):
+        peer.node = message.node
         print(json.dumps({"hello": message.node}), flush=True)
+    else:
+        print(json.dumps({"from": peer.node, "kind": message.kind}), flush=True)
 
 secret = new_secret()
 server = ChannelServer("127.0.0.1", secret, on_message)
@@ -413,7 +425,8 @@ class ServerProcess:
             text=True,
         )
         self.lines: queue.Queue[dict] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
         first = self.next(lambda m: "port" in m)
         self.port, self.secret = first["port"], first["secret"]
 
@@ -438,6 +451,11 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(WAIT_S)
+        self.reader.join(WAIT_S)  # at the end of its output: the pipes can close
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
 
 def test_a_connection_flood_to_emfile_does_not_lock_the_agent_out():
@@ -507,6 +525,139 @@ def test_a_connection_flood_to_emfile_does_not_lock_the_agent_out():
     assert closed["closed_s"] < CLOSE_TIMEOUT_S + 0.1
     client.close()
     second.close()
+
+
+# -- a flood of slow connections, held at a few thousand ------------------------------------------
+
+FLOOD = 3000  # idle connections the attacker holds: far over the server's cap (MAX_PENDING)
+DRIP_S = 4.0  # each sends a byte of a genuine hello this often (the hello would take minutes)
+PROBE_S = 5.0  # a newcomer unanswered this long counts as locked out
+
+
+class DripFlood:
+    """Holds ``FLOOD`` raw connections to ``port``, each dripping a byte every ``DRIP_S``;
+    one the server cuts is opened again at once, so the attacker always holds ``FLOOD``."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.hello = frames.plain_frame(
+            protocol.encode(protocol.ClientHello(protocol.PROTOCOL_VERSION, frames.new_nonce()))
+        )
+        self.selector = selectors.DefaultSelector()
+        self.cuts = self.failed = 0
+        self.up, self.stop = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _open(self) -> None:
+        sock = socket.socket()
+        sock.setblocking(False)
+        # Closed with a reset: tens of thousands of connections leave no TIME_WAIT behind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        if sock.connect_ex((HOST, self.port)) not in (0, errno.EINPROGRESS):
+            self.failed += 1
+            sock.close()
+            return
+        self.selector.register(sock, selectors.EVENT_READ, [0])  # bytes of the hello sent
+
+    def _run(self) -> None:
+        try:
+            for _ in range(FLOOD):
+                self._open()
+            self.up.set()
+            next_drip = time.monotonic() + DRIP_S
+            while not self.stop.is_set():
+                for key, _ in self.selector.select(0.05):
+                    sock = key.fileobj
+                    assert isinstance(sock, socket.socket)
+                    try:
+                        cut = sock.recv(1) == b""
+                    except BlockingIOError:
+                        cut = False
+                    except OSError:
+                        cut = True
+                    if cut:
+                        self.selector.unregister(sock)
+                        sock.close()
+                        self.cuts += 1
+                        self._open()
+                if time.monotonic() >= next_drip:
+                    next_drip += DRIP_S
+                    for key in list(self.selector.get_map().values()):
+                        sent = key.data
+                        with contextlib.suppress(OSError):
+                            sent[0] += key.fileobj.send(self.hello[sent[0] : sent[0] + 1])
+        finally:
+            self.up.set()
+            for key in list(self.selector.get_map().values()):
+                key.fileobj.close()
+            self.selector.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(WAIT_S)
+
+
+def _time_to_challenge(port: int) -> float:
+    """Seconds from a new connection's first SYN to the server's challenge (its proof)."""
+    started = time.monotonic()
+    hello = protocol.ClientHello(protocol.PROTOCOL_VERSION, frames.new_nonce())
+    try:
+        with socket.create_connection((HOST, port), timeout=PROBE_S) as sock:
+            sock.sendall(frames.plain_frame(protocol.encode(hello)))
+            buffer = bytearray()
+            while (body := frames.split_frame(buffer, 4096)) is None:
+                data = sock.recv(4096)
+                if not data:
+                    return float("inf")  # cut before it was challenged
+                buffer += data
+    except TimeoutError:
+        return float("inf")
+    assert isinstance(protocol.decode(body), protocol.ServerProof)
+    return time.monotonic() - started
+
+
+def test_a_flood_of_slow_connections_never_keeps_a_new_agent_waiting():
+    """Before: the accept paused at the cap, the listen backlog filled behind it, and a
+    newcomer's SYN was dropped: it waited 1.4 s to 5 s for its challenge, or never got one."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < FLOOD + 500:
+        pytest.skip(f"the flood needs {FLOOD + 500} file descriptors, the hard limit is {hard}")
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, FLOOD + 500), hard))
+    server = ServerProcess(max_fds=1024)
+    flood = None
+    try:
+        running = _legit(server.port, server.secret, node=0)  # the run, there before the flood
+        server.next(lambda m: m.get("hello") == 0)
+        flood = DripFlood(server.port)
+        assert flood.up.wait(WAIT_S)
+        waits = []
+        for _ in range(12):  # newcomers amid the flood, for ~3 s
+            waits.append(_time_to_challenge(server.port))
+            time.sleep(0.25)
+        late = _legit(server.port, server.secret, node=1)  # a whole handshake gets through too
+        server.next(lambda m: m.get("hello") == 1)
+        running.send(protocol.Ready(rank=0))  # the run was never cut
+        server.next(lambda m: m == {"from": 0, "kind": "ready"})
+        server.ask("stats")
+        stats = server.next(lambda m: "stats" in m)["stats"]
+        flood.close()
+        assert flood.failed == 0
+        server.ask("close")
+        server.next(lambda m: "closed_s" in m)
+    finally:
+        if flood is not None:
+            flood.close()
+        server.stop()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Every newcomer is challenged well within the deadline: none waits out a dropped SYN's
+    # retry (1 s) at a full listen backlog, none is cut before its turn.
+    assert max(waits) < HANDSHAKE_DEADLINE_S / 2, waits
+    assert stats["authenticated"] == 2  # the run and the latecomer, nobody else
+    assert flood.cuts >= FLOOD  # the server kept cutting the drips
+    running.close()
+    late.close()
 
 
 def test_an_agent_refuses_a_driver_without_the_secret():

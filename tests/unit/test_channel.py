@@ -16,6 +16,7 @@ import pytest
 
 from sparkdist._node.outbox import Outbox
 from sparkdist._wire import client as client_module
+from sparkdist._wire import dispatch as dispatch_module
 from sparkdist._wire import frames, protocol
 from sparkdist._wire.channel import (
     CLOSE_TIMEOUT_S,
@@ -304,6 +305,114 @@ def test_a_full_queue_drops_lines_and_counts_them(served, monkeypatch):
     finally:
         release.set()
         slow_server.close()
+
+
+class StalledDriver:
+    """A server whose handlers stall until ``release`` (as a driver printing a flood of lines
+    falls behind): its reads stop, TCP fills, then the agent's queues."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.inbox = Inbox()
+        self.secret = new_secret()
+        self.server = ChannelServer("127.0.0.1", self.secret, self._on_message)
+
+    def _on_message(self, peer, message) -> None:
+        self.release.wait(WAIT_S)
+        self.inbox.on_message(peer, message)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.close()
+
+
+def _stop_reading_soon(monkeypatch) -> None:
+    """A stalled driver stops reading after a few messages, not thousands (TCP fills sooner)."""
+    monkeypatch.setattr(dispatch_module, "DISPATCH_HIGH_WATER", 20)
+    monkeypatch.setattr(dispatch_module, "DISPATCH_LOW_WATER", 10)
+
+
+def _sample(number: int) -> protocol.Sample:
+    return protocol.Sample(0, time.time(), {"sample": float(number)})
+
+
+def _got(driver: StalledDriver, kind: type) -> list:
+    return [m for m in driver.inbox.messages if isinstance(m, kind)]
+
+
+def test_a_flood_of_lines_never_pushes_out_the_samples_or_the_progress(monkeypatch):
+    _stop_reading_soon(monkeypatch)
+    driver = StalledDriver()
+    try:
+        client = _client(driver.server, driver.secret)
+        outbox = Outbox(client)
+        stop = threading.Event()
+        flooded = []
+
+        def flood() -> None:  # a rank printing flat out, its lines as the agent posts them
+            line = protocol.Log(0, protocol.Stream.STDOUT, "f" * 1000)
+            while not stop.is_set():
+                outbox.line(line)
+                flooded.append(1)
+
+        flooder = threading.Thread(target=flood)
+        flooder.start()
+        for number in range(10):  # one sample per interval, a report per step, amid the flood
+            time.sleep(0.1)
+            outbox.line(_sample(number))
+            outbox.line(protocol.Report(0, step=number))
+        stop.set()
+        flooder.join()
+        driver.release.set()
+        outbox.close(WAIT_S, final=protocol.Bye(0))
+        assert driver.inbox.wait_for(lambda i: any(isinstance(m, protocol.Bye) for m in i.messages))
+        assert [m.metrics["sample"] for m in _got(driver, protocol.Sample)] == list(range(10))
+        assert [m.step for m in _got(driver, protocol.Report)] == list(range(10))
+        lines = len(_got(driver, protocol.Log))
+        assert client.dropped > 0 and lines + client.dropped == len(flooded)  # lines only
+        assert driver.inbox.messages[-1] == protocol.Bye(0, dropped=client.dropped)
+        client.close()
+    finally:
+        driver.close()
+
+
+def test_full_of_metrics_the_lane_drops_the_oldest_reports_first(monkeypatch):
+    _stop_reading_soon(monkeypatch)
+    monkeypatch.setattr(client_module, "POST_QUEUE", 5)
+    monkeypatch.setattr(client_module, "METRIC_QUEUE", 8)
+    driver = StalledDriver()
+    try:
+        client = _client(driver.server, driver.secret)
+        big = protocol.Log(0, protocol.Stream.STDOUT, "z" * 60_000)
+        while client.flush(0.2):  # until TCP and the lines' lane are full: nothing moves
+            for _ in range(20):
+                client.post(big)
+        lines_dropped = client.dropped
+        for step in range(100):  # reports flat out, a sample now and then
+            if step % 25 == 0:
+                client.post(_sample(step // 25))
+            client.post(protocol.Report(0, step=step))
+        assert client.dropped > lines_dropped  # the lane overflowed: it dropped its own
+        driver.release.set()
+        client.send(protocol.Bye(0), after_posted=True)
+        assert driver.inbox.wait_for(lambda i: any(isinstance(m, protocol.Bye) for m in i.messages))
+        assert [m.metrics["sample"] for m in _got(driver, protocol.Sample)] == [0, 1, 2, 3]
+        steps = [m.step for m in _got(driver, protocol.Report)]
+        assert steps == sorted(steps) and steps[-4:] == [96, 97, 98, 99]  # the newest won
+        client.close()
+    finally:
+        driver.close()
+
+
+def test_a_detached_outbox_keeps_lines_that_no_report_or_sample_pushes_out():
+    outbox = Outbox(None, keep_lines=3)
+    lines = [protocol.Log(0, protocol.Stream.STDOUT, f"line {i}") for i in range(3)]
+    for number, line in enumerate(lines):
+        outbox.line(line)
+        for step in range(10):
+            outbox.line(protocol.Report(0, step=step))
+        outbox.line(_sample(number))
+    assert list(outbox.kept) == lines and outbox.dropped == 33
 
 
 def test_outbox_drops_an_oversized_report_and_stays_connected(served, caplog):
