@@ -308,8 +308,7 @@ def run_mux_agents(port: int, secret: str, first: int, count: int, connect_threa
             while time.monotonic() < deadline:
                 if per_s:
                     due = started_s + (posted + dropped) / per_s
-                    if due > time.monotonic():
-                        time.sleep(due - time.monotonic())
+                    time.sleep(max(0.0, due - time.monotonic()))  # read the clock once
                 for agent in agents:
                     line_ = f"{time.time():.6f}|{agent.node}|{posted}|{LINE_PAD}"
                     agent.pending.append(protocol.encode(protocol.Log(agent.node, stdout, line_)))
