@@ -43,6 +43,8 @@ logger = logging.getLogger("sparkdist")
 POOL_VAR = WORKER_POOL_VAR
 #: Zygotes kept at once (each holds an imported torch: a few hundred MB, shared with its ranks).
 MAX_ZYGOTES = 3
+#: How often a start waiting on another thread's zygote start looks at the agent's stop.
+_STOP_POLL_S = 0.05
 
 
 def start_rank(
@@ -60,7 +62,7 @@ def start_rank(
     Raises:
         StartStopped: ``stop`` (the agent's) was set while the zygote had not answered.
     """
-    zygote = _lease(zygote_key(env, shipped_code), env)
+    zygote = _lease(zygote_key(env, shipped_code), env, stop or StartStop())
     if zygote is not None:
         try:
             return zygote.fork(env, ctrl_fds, stop)
@@ -100,8 +102,12 @@ def _pool_enabled() -> bool:
     return os.environ.get(POOL_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _lease(key: ZygoteKey, import_env: Mapping[str, str]) -> Zygote | None:
-    """A live zygote for ``key`` with one more lease, started if need be; None: start cold."""
+def _lease(key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop) -> Zygote | None:
+    """A live zygote for ``key`` with one more lease, started if need be; None: start cold.
+
+    Raises:
+        StartStopped: the agent's stop came while the zygote was starting (nothing started).
+    """
     global _swept
     if not _pool_enabled():
         return None
@@ -122,24 +128,28 @@ def _lease(key: ZygoteKey, import_env: Mapping[str, str]) -> Zygote | None:
                 starting = _starting[key] = threading.Event()
                 sweep, _swept = not _swept, True
                 break
-        # Another thread is starting this key's zygote: wait for it, then look again.
-        if not starting.wait(ZYGOTE_START_TIMEOUT_S):
-            return None
+        # Another thread is starting this key's zygote: wait for it, then look again (in
+        # slices: the agent's stop must end this wait too).
+        deadline = time.monotonic() + ZYGOTE_START_TIMEOUT_S
+        while not starting.wait(_STOP_POLL_S):
+            stop.check()
+            if time.monotonic() > deadline:
+                return None
     # This thread starts it, outside the lock: other keys' runs go on meanwhile.
+    zygote = None
     try:
         if sweep:
             sweep_dead_owners(POOL_DIR_KIND)  # zygote directories of killed drivers
-        zygote = Zygote(key, import_env, on_rank_end=_release, on_stuck=_retire)
+        zygote = Zygote(key, import_env, on_rank_end=_release, on_stuck=_retire, stop=stop)
     except OSError as exc:
         logger.warning("sparkdist: no warm worker pool (%s); starting ranks cold", exc)
-        zygote = None
-    with _lock:
-        del _starting[key]
-        starting.set()
-        if zygote is None:
-            return None
-        zygote.leases = 1
-        _zygotes[key] = zygote
+    finally:  # a stopped start too (StartStopped goes on up): nobody waits on it any more
+        with _lock:
+            del _starting[key]
+            starting.set()
+            if zygote is not None:
+                zygote.leases = 1
+                _zygotes[key] = zygote
     return zygote
 
 

@@ -65,6 +65,7 @@ class Zygote:
         *,
         on_rank_end: Callable[[Zygote], None],
         on_stuck: Callable[[Zygote, str], None],
+        stop: StartStop | None = None,
     ) -> None:
         self.key = key
         self.on_rank_end = on_rank_end  # a rank forked from it ended
@@ -75,12 +76,15 @@ class Zygote:
         self.process: subprocess.Popen[bytes] | None = None
         self.directory = make_owned_dir(POOL_DIR_KIND, "zygote")
         try:
-            self._start(import_env)
+            self._start(import_env, stop if stop is not None else StartStop())
         except BaseException:
             self.close()
             raise
 
-    def _start(self, import_env: Mapping[str, str]) -> None:
+    def _start(self, import_env: Mapping[str, str], stop: StartStop) -> None:
+        """Start the zygote and wait for its "ready" (it imports torch: seconds), or for the
+        agent's stop: a zygote stuck in its imports must not hold a run past its start
+        deadline (``StartStopped``; the caller's ``close`` ends it)."""
         self.socket_path = os.path.join(self.directory, "zygote.sock")
         env = {k: v for k, v in os.environ.items() if k not in IMPORT_VARS}
         env.update({k: import_env[k] for k in IMPORT_VARS if import_env.get(k)})
@@ -93,7 +97,16 @@ class Zygote:
             start_new_session=True,
         )
         assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], ZYGOTE_START_TIMEOUT_S)
+        # The stop shuts ``woken``'s peer down: ``woken`` then reads end of file, at once.
+        woken, waker = socket.socketpair()
+        try:
+            with stop.interrupting(waker):
+                watched: list[int] = [self.process.stdout.fileno(), woken.fileno()]
+                ready, _, _ = select.select(watched, [], [], ZYGOTE_START_TIMEOUT_S)
+        finally:
+            woken.close()
+            waker.close()
+        stop.check()
         if not ready or self.process.stdout.readline().strip() != b"ready":
             raise OSError("the worker pool's zygote did not start")
 

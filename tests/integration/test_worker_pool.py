@@ -152,6 +152,34 @@ def test_a_stuck_zygote_and_a_short_start_timeout_name_the_stage(tmp_path):
     assert again["name"] == "sparkdist-r0" and again["ppid"] != frozen
 
 
+def test_a_zygote_stuck_in_its_start_and_a_short_start_timeout_end_the_run_in_time(tmp_path):
+    """A zygote that never gets through its imports (a sitecustomize that sleeps in zygotes
+    only) ends the run by start_timeout_s: the agent's stop wakes the wait for its "ready"
+    instead of the run waiting out ZYGOTE_START_TIMEOUT_S; the stuck zygote is ended."""
+    from sparkdist._node import zygote_client
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('SPARKDIST_ZYGOTE') == '1':\n    time.sleep(300)\n"
+    )
+    Distributor(1, use_gpu=False).run(rank_view)  # a process's first run pays its imports
+    started = time.monotonic()
+    with pytest.raises(RendezvousError) as caught:
+        Distributor(1, use_gpu=False, start_timeout_s=2, env={"PYTHONPATH": str(tmp_path)}).run(
+            rank_view
+        )
+    took = time.monotonic() - started
+    print(f"zygote stuck starting, start_timeout_s=2: raised after {took:.2f} s: {caught.value}")
+    assert "start_timeout_s=2" in str(caught.value)
+    assert took < 2 + 0.5 < zygote_client.ZYGOTE_START_TIMEOUT_S
+    stuck = [
+        p
+        for p in psutil.process_iter(["cmdline", "environ"])
+        if "sparkdist._node.zygote" in " ".join(p.info["cmdline"] or [])
+        and (p.info["environ"] or {}).get("PYTHONPATH") == str(tmp_path)
+    ]
+    assert stuck == [] or all(p.status() == "zombie" for p in stuck)
+
+
 def test_a_failed_pool_start_leaves_no_directory_and_runs_cold(monkeypatch):
     """The zygote does not come up in time: the run starts its ranks cold, and the pool's
     directory of that attempt is gone."""
