@@ -251,6 +251,12 @@ def test_a_failing_callback_on_the_callers_side_stops_the_ranks(tmp_path):
     finally:
         logging.getLogger("sparkdist").removeHandler(handler)
     assert not alive(recorded(tmp_path))
+    # A rank whose fork the stop interrupted (the zygote forked it, its answer went unread)
+    # never ran the function and ends itself when its control pipe closes, milliseconds
+    # later: allow it that, not more (known window, see docs/architecture.md: warm pool).
+    deadline = time.monotonic() + 1.0
+    while run_processes() and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert not run_processes()
 
 
