@@ -129,6 +129,10 @@ class NodeDone:
     dropped_lines: int = 0
 
 
+#: What the driver saw of a node whose connection ended before its goodbye.
+CHANNEL_CLOSED = "its control channel closed without a goodbye"
+
+
 @dataclass(frozen=True)
 class NodeLost:
     """A node's connection dropped before its goodbye, or went silent.

@@ -18,7 +18,13 @@ from sparkdist._core.errors import (
     RunTimeoutError,
     WorkerFailedError,
 )
-from sparkdist._core.run_state import FailureTiming, RunState, StopCause, root_cause
+from sparkdist._core.run_state import (
+    CHANNEL_CLOSED,
+    FailureTiming,
+    RunState,
+    StopCause,
+    root_cause,
+)
 from sparkdist._node.detached import failures_in
 from sparkdist._wire.payload import Outcome, loads
 
@@ -71,7 +77,7 @@ def stage_failure(
     for node in state.lost_nodes:
         host = state.node_hosts.get(node, "")
         ranks = range(node * per_node, (node + 1) * per_node)
-        how = state.lost_how.get(node) or "its control channel closed without a goodbye"
+        how = state.lost_how.get(node) or CHANNEL_CLOSED
         for rank in ranks:
             failures.setdefault(
                 rank,

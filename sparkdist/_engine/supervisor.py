@@ -27,6 +27,7 @@ from sparkdist._core.errors import (
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
 from sparkdist._core.run_state import (
+    CHANNEL_CLOSED,
     AbortAll,
     AgentsEnded,
     CancelRequested,
@@ -209,7 +210,7 @@ class RunMonitor:
 def lost_how(silent_for: float | None) -> str:
     """What the driver saw of a node it lost (a node's agent never says this itself)."""
     if silent_for is None:
-        return "its control channel closed without a goodbye"
+        return CHANNEL_CLOSED
     return (
         f"it sent nothing, not even a beat, for {silent_for:.1f} s (cut off by a partition, or "
         "its host froze; heartbeat_timeout_s sets the limit)"
