@@ -65,6 +65,7 @@ def distributed(
     gpu_type: GPUType | str | None = None,
     remote: bool = False,
     *,
+    min_processes: int | None = None,
     use_gpu: bool | None = None,
     mode: Mode | str = Mode.DDP,
     timeout_s: float | None = None,
@@ -104,7 +105,7 @@ def distributed(
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank (not the ones sparkdist sets).
-        deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
+        min_processes, deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
             requirements, job_size_warn_mb, job_size_limit_mb, allow_oversubscribe,
             system_metrics_interval_s, straggler_fraction, straggler_window_s: as on
             ``Distributor``.

@@ -33,7 +33,8 @@ from sparkdist._core.plan import LaunchPlan
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.handle import DistributedRun, rank0_value
-from sparkdist._engine.launch import Launch, launch, prepare
+from sparkdist._engine.launch import Launch, launch
+from sparkdist._engine.prepare import prepare
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
@@ -52,6 +53,12 @@ class Distributor:
 
     Args:
         num_processes: the world size.
+        min_processes: make the run elastic: a restart after a lost host (``max_restarts``)
+            starts with as many ranks as the cluster's slots then hold, between this and
+            ``num_processes``, instead of failing for want of slots; below it the restart
+            waits up to ``start_timeout_s`` for capacity. Ranks see the attempt's
+            ``WORLD_SIZE`` and ``runtime.requested_world_size()``. None (the default): every
+            attempt has ``num_processes`` ranks.
         local_mode: True runs on the driver; False runs on the cluster's executors.
         use_gpu: True binds each rank to a GPU; False runs on CPU (gloo) with every GPU hidden;
             None (the default) uses GPUs when there are any and CPU otherwise.
@@ -126,6 +133,7 @@ class Distributor:
         self,
         num_processes: int = 1,
         *,
+        min_processes: int | None = None,
         local_mode: bool = True,
         use_gpu: bool | None = None,
         mode: Mode | str = Mode.DDP,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
 from sparkdist._core.config import LaunchConfig
@@ -105,6 +105,13 @@ class Backend(Protocol):
 
     def place(self, config: LaunchConfig) -> Placement:
         """Read the cluster and cut the world into nodes; refuse what cannot run."""
+        ...
+
+    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+        """The placement of a restart: the whole world again, or, for an elastic run
+        (``min_processes``), as many ranks as the capacity left holds, the slots of the hosts
+        the last attempt lost left out; waits for at least ``min_processes`` up to
+        ``start_timeout_s``."""
         ...
 
     def requirements(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from sparkdist._backends import spark_driver
@@ -54,6 +54,10 @@ class LocalBackend:
             if problem is not None:
                 raise ClusterError(problem)
         return placement
+
+    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+        """One machine loses no capacity to a failed attempt: the same world again."""
+        return self.place(config)
 
     def _driver_gpus(self, config: LaunchConfig) -> list[str]:
         if config.use_gpu is False:

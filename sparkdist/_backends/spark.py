@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from sparkdist._backends import spark_driver
+from sparkdist._backends import capacity, spark_driver
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.stage import BarrierStage
 from sparkdist._core.config import LaunchConfig
@@ -25,6 +25,7 @@ from sparkdist._core.placement import (
     Placement,
     check_cluster_conf,
     place_on_cluster,
+    shrink_to_slots,
 )
 from sparkdist._core.plan import BackendKind
 from sparkdist._core.versions import Requirement
@@ -64,11 +65,30 @@ class SparkBackend:
         for warning in check_cluster_conf(conf, self._ignore_ssl_key):
             _warn_once(warning)
         placement = place_on_cluster(config, conf)
-        spark_driver.wait_for_barrier_slots(
-            self.session, placement.num_tasks, config.start_timeout_s, conf
+        found = spark_driver.wait_for_barrier_slots(
+            self.session,
+            placement.num_tasks,
+            config.start_timeout_s,
+            conf,
+            fewest=_fewest_tasks(config, placement),
         )
         self.driver_host = spark_driver.driver_host(self.session, conf)
-        return placement
+        return _shrunk(config, placement, found)
+
+    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+        conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
+        full = place_on_cluster(config, conf)
+        if config.min_processes is None or self.kind is BackendKind.CONNECT:
+            return full  # a fixed world (or a Connect session, which lists no executors)
+        task_cpus = conf.get("spark.task.cpus", "1")
+        found = capacity.wait_for_capacity(
+            self.session,
+            fewest_tasks=_fewest_tasks(config, full),
+            lost_hosts=lost_hosts,
+            task_cpus=int(task_cpus) if task_cpus.isdigit() else 1,
+            wait_s=config.start_timeout_s,
+        )
+        return _shrunk(config, full, found)
 
     def requirements(
         self, config: LaunchConfig, wanted: Sequence[Requirement]
@@ -137,6 +157,28 @@ class ConnectBackend(SparkBackend):
             "give up their executors, so later attempts may run there again",
             ", ".join(sorted(hosts)),
         )
+
+
+def _fewest_tasks(config: LaunchConfig, full: Placement) -> int:
+    """The fewest tasks an attempt of ``config`` may run as (its whole world unless elastic)."""
+    return -(-config.smallest_world // full.processes_per_task)  # ceiling
+
+
+def _shrunk(config: LaunchConfig, full: Placement, slots: int) -> Placement:
+    """``full``, or the elastic world ``slots`` hold (logged when it is smaller)."""
+    placement = shrink_to_slots(config, full, slots)
+    if placement is None:  # the waits above raise first; a Spark that counts no slots lands here
+        return full
+    if placement.world_size < full.world_size:
+        logger.warning(
+            "sparkdist: the cluster has %d barrier task slot(s): running %d of the %d "
+            "process(es) asked for (min_processes=%d)",
+            slots,
+            placement.world_size,
+            full.world_size,
+            config.smallest_world,
+        )
+    return placement
 
 
 def _warn_once(message: str) -> None:

@@ -115,6 +115,7 @@ def wait_for_barrier_slots(
     needed: int,
     wait_s: float = DEFAULT_START_TIMEOUT_S,
     conf: Mapping[str, str] | None = None,
+    fewest: int | None = None,
 ) -> int:
     """Return the cluster's barrier slots once there are enough, or raise ClusterError.
 
@@ -122,6 +123,8 @@ def wait_for_barrier_slots(
     slowly on a loaded machine, so a too-small count is re-read until it is enough, every
     executor the conf asks for has registered (the count is final), or ``wait_s`` (the run's
     ``start_timeout_s``) has passed. Spark's own check would wait minutes and name no numbers.
+    An elastic run (``fewest``: the tasks of ``min_processes``) then takes what is there when
+    that is at least ``fewest``.
     """
     if is_connect(session):
         # Connect exposes no executor list: estimate from the conf, else let Spark check.
@@ -143,6 +146,8 @@ def wait_for_barrier_slots(
         if found >= needed:
             return found
         if (expected is not None and registered >= expected) or waited_s >= wait_s:
+            if fewest is not None and found >= fewest:
+                return found
             raise barrier_slots_error(needed, found, registered, expected, waited_s, conf)
         if not said_waiting and waited_s >= 5.0:
             said_waiting = True

@@ -85,7 +85,9 @@ class LaunchConfig:
     same name in ``OPTIONS`` (see there, and ``Distributor``, for what it does).
 
     Attributes:
-        num_processes: total number of ranks (the world size).
+        num_processes: total number of ranks (the world size) every attempt asks for.
+        min_processes: the smallest world a restart may start with when the cluster has lost
+            capacity (elastic runs); None means ``num_processes`` (a fixed world).
         local_mode: True runs the ranks on the driver; False runs them as Spark barrier tasks.
         use_gpu: True binds one GPU per rank; False runs on CPU with gloo; None picks GPUs when
             there are any, CPU otherwise.
@@ -122,6 +124,7 @@ class LaunchConfig:
     """
 
     num_processes: int = 1
+    min_processes: int | None = None
     local_mode: bool = True
     use_gpu: bool | None = None
     mode: Mode = Mode.DDP
@@ -144,6 +147,14 @@ class LaunchConfig:
 
     def __post_init__(self) -> None:
         check_positive_int("num_processes", self.num_processes)
+        if self.min_processes is not None:
+            check_positive_int("min_processes", self.min_processes)
+            if self.min_processes > self.num_processes:
+                raise ConfigError(
+                    f"min_processes={self.min_processes} is more than num_processes="
+                    f"{self.num_processes}; pass min_processes between 1 and {self.num_processes}"
+                    " (the smallest world a restart may shrink to), or leave it unset"
+                )
         for name in ("local_mode", "allow_oversubscribe"):
             check_bool(name, getattr(self, name), optional=False)
         for name in ("use_gpu", "mlflow"):
@@ -197,6 +208,11 @@ class LaunchConfig:
             use_gpu=self.use_gpu,
             allow_oversubscribe=self.allow_oversubscribe,
         )
+
+    @property
+    def smallest_world(self) -> int:
+        """The fewest ranks an attempt may run with: ``min_processes``, else the whole world."""
+        return self.num_processes if self.min_processes is None else self.min_processes
 
     def as_options(self) -> dict[str, Any]:
         """The options, by name, that ``build_config`` (or ``Distributor``) turns back into an
@@ -313,6 +329,12 @@ OPTIONS: tuple[Option, ...] = (
         "num_processes",
         "number of ranks (the world size), one per GPU where there are GPUs",
         _cli("-n", "--num-processes", kind=CliKind.POSITIVE_COUNT, metavar="N"),
+    ),
+    Option(
+        "min_processes",
+        "elastic runs: a restart after a lost host may start with fewer ranks, down to this many",
+        _cli("--min-processes", kind=CliKind.POSITIVE_COUNT, metavar="N"),
+        default_text="num_processes (a fixed world)",
     ),
     Option(
         "local_mode",

@@ -29,6 +29,9 @@ PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
 CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
+#: The world size the launcher was asked for (``num_processes``): an elastic restart may run
+#: fewer ranks (``WORLD_SIZE``), and the training loop keeps its global batch from the ratio.
+REQUESTED_WORLD_SIZE_VAR = "SPARKDIST_REQUESTED_WORLD_SIZE"
 #: DataFrame input: this rank's Arrow IPC file, and every rank's row count (a JSON list).
 PARTITION_FILE_VAR = "SPARKDIST_PARTITION_FILE"
 ROWS_PER_RANK_VAR = "SPARKDIST_ROWS_PER_RANK"
@@ -115,6 +118,7 @@ LAUNCHER_VARS = frozenset(
         HOST_VAR,
         DEEPSPEED_CONFIG_VAR,
         CHECKPOINT_DIR_VAR,
+        REQUESTED_WORLD_SIZE_VAR,
         PARTITION_FILE_VAR,
         ROWS_PER_RANK_VAR,
         PYSPARK_PARTITION_FILE_VAR,

@@ -95,6 +95,26 @@ def place_on_cluster(config: LaunchConfig, conf: Mapping[str, str]) -> Placement
     return Placement(num_tasks=n // gpus_per_task, processes_per_task=gpus_per_task, use_gpu=True)
 
 
+def shrink_to_slots(config: LaunchConfig, full: Placement, slots: int) -> Placement | None:
+    """The largest placement of at most ``full``'s world that ``slots`` barrier slots hold, and
+    at least ``config.min_processes`` ranks; None when the slots hold fewer (pure).
+
+    A world stays a whole number of tasks: with k ranks per task (k GPUs per task) it shrinks
+    by whole tasks, so the smallest it may be is ``min_processes`` rounded up to a multiple
+    of k.
+
+    Example:
+        >>> config = LaunchConfig(num_processes=4, min_processes=2, local_mode=False)
+        >>> shrink_to_slots(config, Placement(4, 1, False), 3).world_size
+        3
+    """
+    tasks = min(full.num_tasks, max(0, slots))
+    fewest_tasks = -(-config.smallest_world // full.processes_per_task)  # ceiling
+    if tasks < fewest_tasks or tasks < 1:
+        return None
+    return Placement(tasks, full.processes_per_task, full.use_gpu, full.driver_gpus)
+
+
 @dataclass(frozen=True)
 class PysparkCount:
     """pyspark's constructor-time reading of the world (``TorchDistributor._get_num_tasks``).

@@ -19,27 +19,21 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import threading
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from sparkdist._backends.base import Backend, RunningAgents
-from sparkdist._backends.choose import select_backend
-from sparkdist._backends.job_file import JobFile, job_file_name, sweep_job_leftovers
+from sparkdist._backends.base import RunningAgents
+from sparkdist._backends.job_file import JobFile, sweep_job_leftovers
 from sparkdist._core.attempts import attempt_of, final_error, hosts_to_avoid
 from sparkdist._core.config import LaunchConfig
-from sparkdist._core.env import CHECKPOINT_DIR_VAR
 from sparkdist._core.errors import Attempt, WorkerFailedError
 from sparkdist._core.files import make_private_dirs
-from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
-from sparkdist._core.plan import LaunchPlan, make_plan
+from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY, Placement
 from sparkdist._core.result import RunResult
 from sparkdist._core.run_state import Deadlines
-from sparkdist._core.versions import expected_requirements
+from sparkdist._engine.prepare import prepare
 from sparkdist._engine.rank_lines import warn_lines_dropped
 from sparkdist._engine.supervisor import (
     ABORT_GRACE_S,
@@ -48,101 +42,11 @@ from sparkdist._engine.supervisor import (
     result_of,
     supervise,
 )
-from sparkdist._node.spec import AgentSpec
-from sparkdist._shipping.code import ModuleRecorder, pack_local_code
 from sparkdist._tracking.tracker import RunTracker
-from sparkdist._wire.captures import check_job_size
 from sparkdist._wire.channel import ChannelServer, new_secret
-from sparkdist._wire.payload import Job, dumps_job
+from sparkdist._wire.payload import Job
 
 logger = logging.getLogger("sparkdist")
-
-
-@dataclass(frozen=True)
-class PreparedLaunch:
-    """Everything decided before any process starts: the plan, and what executes it."""
-
-    run_id: str
-    plan: LaunchPlan
-    backend: Backend
-    template: AgentSpec
-    job_bytes: bytes
-
-
-def prepare(
-    config: LaunchConfig,
-    job: Job,
-    *,
-    session: Any | None = None,
-    ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
-    dataframe: Any | None = None,
-) -> PreparedLaunch:
-    """Validate, pickle, place and plan a run on the caller's thread; start nothing.
-
-    Everything that can be refused is refused here (``sparkdist run --dry-run`` stops here and
-    prints ``plan.describe()``).
-    """
-    backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe)
-    recorder = ModuleRecorder()
-    job_bytes = dumps_job(job, on_object=recorder)
-    large = check_job_size(
-        job,
-        len(job_bytes),
-        config.job_size_warn_mb,
-        config.job_size_limit_mb,
-        local_mode=not backend.ships_large_jobs,
-    )
-    wanted = expected_requirements(
-        config.mode.value, config.requirements, pinned_only=not backend.ships_large_jobs
-    )
-    code_zip = pack_local_code(recorder.names, visible_dirs=backend.visible_code_dirs())
-    placement = backend.place(config)
-    requirements = backend.requirements(config, wanted)
-    job_as_file = large and backend.ships_large_jobs
-    run_id = uuid.uuid4().hex[:12]
-    plan = make_plan(
-        config,
-        placement,
-        backend=backend.kind,
-        job_name=job.name,
-        job_size_bytes=len(job_bytes),
-        job_as_file=job_as_file,
-        requirements=[
-            r.name if r.version is None else f"{r.name}=={r.version}" for r in requirements
-        ],
-    )
-    extra_env = {**backend.rank_env(config), **config.env}
-    if config.checkpoint_dir is not None:
-        extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
-    host = backend.driver_host
-    template = AgentSpec(
-        run_id=run_id,
-        job_bytes=b"" if job_as_file else job_bytes,
-        node_rank=0,
-        num_nodes=placement.num_tasks,
-        processes_per_node=placement.processes_per_task,
-        master_addr=host,
-        host=host,
-        channel_address=(host, 0),
-        secret="",
-        gpu_addresses=",".join(placement.driver_gpus) if placement.use_gpu else None,
-        mode=config.mode.value,
-        start_timeout_s=config.start_timeout_s,
-        extra_env=extra_env,
-        max_restarts=config.max_restarts,
-        gpu_type=config.gpu_type,
-        deepspeed_config_json=(
-            json.dumps(dict(config.deepspeed_config))
-            if config.deepspeed_config is not None
-            else None
-        ),
-        heartbeat_timeout_s=config.heartbeat_timeout_s,
-        requirements=requirements,
-        code_zip=code_zip,
-        job_file=job_file_name(run_id) if job_as_file else None,
-        system_metrics_interval_s=config.system_metrics_interval_s,
-    )
-    return PreparedLaunch(run_id, plan, backend, template, job_bytes)
 
 
 class Launch:
@@ -211,8 +115,14 @@ class Launch:
 
     def _start_attempt(self, restart_count: int) -> None:
         """Open a fresh channel (new secret) and start the agents for one attempt; it becomes
-        ``self._attempt`` as soon as they are started (so a cancel can reach them)."""
+        ``self._attempt`` as soon as they are started (so a cancel can reach them).
+
+        A restart is placed again: an elastic run (``min_processes``) goes on with the
+        capacity the cluster has left, the hosts the last attempt lost left out."""
         placement = self.placement
+        previous = self._attempt
+        if restart_count and previous is not None:
+            placement = self._backend.place_again(self.config, previous.lost_hosts())
         deadlines = Deadlines(self.config.start_timeout_s, self.config.timeout_s)
         host = self._backend.driver_host
         secret = new_secret()
@@ -230,6 +140,8 @@ class Launch:
             channel_address=(host, 0 if self._backend.detached else server.port),  # 0: no channel
             secret=secret,
             restart_count=restart_count,
+            num_nodes=placement.num_tasks,
+            processes_per_node=placement.processes_per_task,
         )
 
         def wake() -> None:
@@ -238,7 +150,7 @@ class Launch:
 
         try:
             self._attempt = _Attempt(
-                monitor, server, self._backend.start(template, placement, wake)
+                monitor, server, self._backend.start(template, placement, wake), placement
             )
         except BaseException:
             server.close()
@@ -253,7 +165,7 @@ class Launch:
                 try:
                     outcomes = supervise(self.config, attempt.agents, attempt.monitor)
                     done = result_of(  # raises when ranks failed
-                        outcomes, attempt.monitor, self.run_id, self.config, self.placement
+                        outcomes, attempt.monitor, self.run_id, self.config, attempt.placement
                     )
                     history.append(attempt_of(attempt.monitor.state, len(history)))
                     self._result = dataclasses.replace(done, attempts=history)
@@ -357,10 +269,22 @@ class Launch:
 class _Attempt:
     """One try of the whole world: its channel, its driver-side view, its agents."""
 
-    def __init__(self, monitor: RunMonitor, server: ChannelServer, agents: RunningAgents):
+    def __init__(
+        self,
+        monitor: RunMonitor,
+        server: ChannelServer,
+        agents: RunningAgents,
+        placement: Placement,
+    ) -> None:
         self.monitor = monitor
         self.server = server
         self.agents = agents
+        self.placement = placement  # a restart of an elastic run may have fewer ranks
+
+    def lost_hosts(self) -> set[str]:
+        """The hosts of the nodes this attempt lost contact with (killed or cut off)."""
+        state = self.monitor.state
+        return {state.node_hosts[n] for n in state.lost_nodes if n in state.node_hosts}
 
     def close(self) -> None:
         self.server.close()

@@ -37,6 +37,15 @@ from sparkdist.cli import main
 TOO_MANY = CPU_OVERSUBSCRIBE_FACTOR * (os.cpu_count() or 1) + 1
 
 CASES = [
+    # min_processes: elastic runs shrink to it, never below 1 nor above the world
+    (
+        {"num_processes": 2, "min_processes": 3},
+        ConfigError,
+        ["min_processes=3 is more than num_processes=2", "between 1 and 2"],
+    ),
+    ({"min_processes": 0}, ConfigError, ["min_processes must be a positive integer", "0"]),
+    ({"min_processes": 1.5}, ConfigTypeError, ["min_processes must be a positive integer"]),
+    ({"env": {"SPARKDIST_REQUESTED_WORLD_SIZE": "8"}}, ConfigError, ["env sets SPARKDIST_REQ"]),
     # env: a mapping of POSIX names to strings, none of the launcher's own
     ({"env": "X=1"}, ConfigTypeError, ["env must be a mapping", "'X=1'", "env={'X': '1'}"]),
     ({"env": ["A=1"]}, ConfigTypeError, ["env must be a mapping", "['A=1']"]),

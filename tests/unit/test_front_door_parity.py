@@ -74,6 +74,7 @@ CLI_HAND_DESTS = {"master": "local_mode", "local": "local_mode", "cpu": "use_gpu
 #: options some doors need for the value to be valid.
 EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "num_processes": (3, {}),
+    "min_processes": (2, {"num_processes": 3}),
     "local_mode": (False, {}),
     "use_gpu": (False, {}),
     "mode": ("fsdp", {}),

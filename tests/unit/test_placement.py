@@ -7,6 +7,7 @@ import re
 import pytest
 
 from sparkdist import ClusterError, ConfigError
+from sparkdist._backends.capacity import usable_slots
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import (
     Placement,
@@ -19,6 +20,7 @@ from sparkdist._core.placement import (
     estimate_barrier_slots,
     place_local,
     place_on_cluster,
+    shrink_to_slots,
 )
 
 GPU = "spark.task.resource.gpu.amount"
@@ -258,3 +260,44 @@ def test_check_ssl_refuses_without_the_opt_out_and_names_it(opt_out):
         conf["my.key"] = opt_out
     with pytest.raises(ClusterError, match=r'spark.conf.set\("my.key", "true"\)'):
         check_ssl(conf, "my.key")
+
+
+# -- elastic worlds: a restart on the capacity left ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num", "fewest", "per_task", "slots", "expected_world"),  # slots: barrier task slots
+    [
+        (3, 2, 1, 3, 3),  # all there: the whole world
+        (3, 2, 1, 9, 3),  # more slots than asked for: never more than asked
+        (3, 2, 1, 2, 2),  # a host lost: shrink to what is left
+        (3, 2, 1, 1, None),  # below min_processes: no world (the caller waits or fails)
+        (3, None, 1, 2, None),  # not elastic: the whole world or nothing
+        (8, 4, 4, 1, 4),  # 4 GPUs per task: a slot is a task of 4 ranks
+        (8, 3, 4, 1, 4),  # min 3 with 4 per task: one task of 4 is the smallest world
+        (8, 5, 4, 1, None),  # min 5 needs two tasks of 4
+        (4, 1, 1, 0, None),
+    ],
+)
+def test_an_elastic_world_is_the_most_whole_tasks_the_slots_hold_within_the_bounds(
+    num, fewest, per_task, slots, expected_world
+):
+    config = LaunchConfig(num_processes=num, min_processes=fewest, local_mode=False)
+    full = Placement(num // per_task, per_task, per_task > 1)
+    shrunk = shrink_to_slots(config, full, slots)
+    assert (None if shrunk is None else shrunk.world_size) == expected_world
+    if shrunk is not None:
+        assert shrunk.processes_per_task == per_task and shrunk.use_gpu == full.use_gpu
+
+
+@pytest.mark.parametrize(
+    ("total", "by_host", "lost", "expected"),
+    [
+        (3, {"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1}, {"10.0.0.3"}, 2),  # still listed
+        (2, {"10.0.0.1": 1, "10.0.0.2": 1}, {"10.0.0.3"}, 2),  # Spark dropped it already
+        (8, {"a": 4, "b": 4}, {"a", "b"}, 0),
+        (5, None, {"a"}, 5),  # a Spark that lists no executors: its own count
+    ],
+)
+def test_a_restart_leaves_out_the_slots_of_the_hosts_it_lost(total, by_host, lost, expected):
+    assert usable_slots(total, by_host, lost) == expected
