@@ -148,7 +148,9 @@ def wait_for_barrier_slots(
         if (expected is not None and registered >= expected) or waited_s >= wait_s:
             if fewest is not None and found >= fewest:
                 return found
-            raise barrier_slots_error(needed, found, registered, expected, waited_s, conf)
+            # An elastic run needs only its smallest world's tasks: say that number.
+            least = needed if fewest is None else min(needed, fewest)
+            raise barrier_slots_error(least, found, registered, expected, waited_s, conf)
         if not said_waiting and waited_s >= 5.0:
             said_waiting = True
             logger.info(

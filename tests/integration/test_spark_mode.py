@@ -93,6 +93,21 @@ def test_more_tasks_than_slots_fails_fast_naming_both_counts(spark_local):
     assert not run_processes()
 
 
+def world_sizes():
+    from sparkdist import runtime
+
+    return runtime.get_world_size(), runtime.requested_world_size()
+
+
+def test_an_elastic_run_starts_with_the_slots_there_are_down_to_min_processes(spark_local):
+    # local[2] runs 2 tasks at once: 3 ranks asked for, 2 allowed, 2 run.
+    result = Distributor(3, min_processes=2, local_mode=False, use_gpu=False).run_all(world_sizes)
+    assert result.values == [(2, 3), (2, 3)]
+    with pytest.raises(ClusterError, match="needs 3 task slots at once but master 'local.2.'"):
+        Distributor(4, min_processes=3, local_mode=False, use_gpu=False).run(world_sizes)
+    assert not run_processes()
+
+
 def test_use_gpu_without_task_gpu_conf_names_the_conf_key(spark_local):
     # Distributor: a ConfigError (ValueError) at run(); TorchDistributor: pyspark's moment and
     # type, a RuntimeError (ClusterError) when the distributor is made.

@@ -9,7 +9,9 @@ view of every host's processes).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +33,14 @@ def lab_cluster(sparkdist_cluster: Any) -> LabCluster:
 @pytest.fixture(scope="session")
 def lab_driver(lab_cluster: LabCluster) -> DriverKernel:
     return lab_cluster.start_driver(SPARKDIST_MLFLOW="0")
+
+
+@pytest.fixture
+def shared(lab_cluster: LabCluster) -> Iterator[Path]:
+    """A fresh directory every host sees at the same path."""
+    directory = lab_cluster.lab.shared / f"run-{time.monotonic_ns()}"
+    directory.mkdir()
+    yield directory
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,14 +64,6 @@ def wait_for_it():
 
 threading.Thread(target=wait_for_it, daemon=True).start()
 """
-
-
-@pytest.fixture
-def shared(lab_cluster: LabCluster) -> Iterator[Path]:
-    """A fresh directory every host sees at the same path."""
-    directory = lab_cluster.lab.shared / f"faults-{time.monotonic_ns()}"
-    directory.mkdir()
-    yield directory
 
 
 def _start(

@@ -1,0 +1,142 @@
+"""Elastic runs in the lab: an FSDP2 run of 3 ranks on 3 hosts loses a host and finishes on the
+capacity left, from its last checkpoint resharded to the smaller world, its loss curve going
+on where it stopped.
+
+The training is world-size free by construction: one fixed global batch per step, split evenly
+over the ranks (12 samples: 4, 6 or 12 per rank), and FSDP averages the gradients, so an
+uninterrupted run at any world size walks the same curve (up to float summation order). That
+is the yardstick the resumed run is held to.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from sparkdist._lab.spark import DriverKernel, LabCluster
+
+pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
+
+STEPS = 24
+
+TRAIN = """
+import json, os, socket, threading, time
+import sparkdist
+
+def train(steps, pause, curve_dir):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from sparkdist import runtime
+
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.02)
+    start, resumed_from = 0, None
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    found = runtime.load_checkpoint(into=state)
+    if found is not None:
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+        start, resumed_from = found.step + 1, found.step
+    data = torch.Generator().manual_seed(7)
+    inputs = torch.randn(steps, 12, 8, generator=data)
+    targets = inputs.sin().sum(dim=-1, keepdim=True)
+    curve = []
+    for step in range(start, steps):
+        x, y = inputs[step].chunk(world)[rank], targets[step].chunk(world)[rank]
+        loss = (model(x) - y).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        curve.append((step, whole.item() / world))
+        if curve_dir and rank == 0:
+            with open(os.path.join(curve_dir, f"step-{step}.tmp"), "w") as f:
+                json.dump([world, whole.item() / world], f)
+            os.replace(os.path.join(curve_dir, f"step-{step}.tmp"),
+                       os.path.join(curve_dir, f"step-{step}"))
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        runtime.save_checkpoint({"model": model_state, "optimizer": optimizer_state}, step)
+        time.sleep(pause)
+    dist.destroy_process_group()
+    return {"world": world, "requested": runtime.requested_world_size(),
+            "resumed_from": resumed_from, "curve": curve, "host": socket.gethostname()}
+"""
+
+
+def test_an_fsdp_run_that_loses_a_host_finishes_on_the_hosts_left_from_a_resharded_checkpoint(
+    lab_cluster: LabCluster, lab_driver: DriverKernel, shared: Path
+) -> None:
+    lab = lab_cluster.lab
+    lab_driver.check(TRAIN)
+    # The yardstick: the same training, uninterrupted, on 2 ranks.
+    whole = lab_driver.check(
+        f"""
+result = sparkdist.Distributor(2, local_mode=False, use_gpu=False, mode="fsdp",
+    checkpoint_dir={str(shared / "whole")!r}).run(train, {STEPS}, 0.0, None)["curve"]
+"""
+    )
+    expected = dict((step, loss) for step, loss in whole)
+    checkpoints, curve = shared / "elastic", shared / "curve"
+    curve.mkdir()
+    lab_driver.check(
+        f"""
+handle = sparkdist.Distributor(3, min_processes=2, local_mode=False, use_gpu=False,
+    mode="fsdp", max_restarts=1, checkpoint_dir={str(checkpoints)!r}).run_async(
+    train, {STEPS}, 0.3, {str(curve)!r})
+ended = {{}}
+def wait_for_it():
+    try:
+        r = handle.run_result(timeout=600)
+        ended.update(values=r.values, attempts=[list(a.hosts) for a in r.attempts])
+    except BaseException as error:
+        ended["error"] = f"{{type(error).__name__}}: {{error}}"
+    ended["at"] = time.time()
+threading.Thread(target=wait_for_it, daemon=True).start()
+"""
+    )
+    deadline = time.monotonic() + 120
+    while not (curve / "step-8").exists():
+        assert time.monotonic() < deadline, "the 3-rank run never reached step 8"
+        time.sleep(0.05)
+    busy = {p["host"] for p in lab.rank_processes()}
+    assert len(busy) == 3, busy
+    victim = sorted(busy)[-1]
+    try:
+        lab.kill_host(victim)
+        deadline = time.monotonic() + 240
+        while not (ended := lab_driver.check("result = ended if 'at' in ended else None")):
+            assert time.monotonic() < deadline, "run() had not returned 240 s after the kill"
+            time.sleep(0.1)
+        assert "values" in ended, ended
+        first, second = ended["attempts"]
+        assert len(first) == 3 and lab.hosts[victim].address in first, ended["attempts"]
+        assert lab.hosts[victim].address not in second, ended["attempts"]
+        resumed = ended["values"][0]
+        world = resumed["world"]
+        assert world == len(ended["values"]) == len(second) and 2 <= world < 3, ended
+        assert resumed["requested"] == 3
+        # Resumed from the last checkpoint written by 3 ranks (after step 8), not from scratch.
+        last_before = max(int(p.name[5:]) for p in curve.iterdir() if p.suffix != ".tmp")
+        assert resumed["resumed_from"] is not None and resumed["resumed_from"] >= 8, resumed
+        assert resumed["curve"][0][0] == resumed["resumed_from"] + 1
+        assert resumed["curve"][-1][0] == STEPS - 1
+        assert resumed["resumed_from"] <= last_before
+        # The curve goes on where it stopped: every step after the restart has the loss an
+        # uninterrupted run has there (the checkpoint carried the weights and Adam's moments).
+        for step, loss in resumed["curve"]:
+            assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (step, loss)
+    finally:
+        lab_cluster.restart_host(victim)
