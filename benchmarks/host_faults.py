@@ -158,7 +158,7 @@ def restart_run(cluster: LabCluster) -> dict[str, float]:
     shared.mkdir()
     driver.check(f"start('restart', {str(shared)!r})")
     _wait_file(shared / "first-step-0", 180)
-    while not (shared / "ckpt" / f"step-{5:09d}.pt").exists():
+    while not (shared / "ckpt" / f"step-{5:09d}" / "COMMITTED").exists():
         time.sleep(0.02)
     victim = sorted({p["host"] for p in lab.rank_processes()})[-1]
     struck = time.time()

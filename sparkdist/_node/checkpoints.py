@@ -1,38 +1,43 @@
-"""A run's checkpoints: one ``torch.save`` file per step in the launcher's ``checkpoint_dir``,
-written atomically by global rank 0, read back newest first, weights only unless asked.
+"""A run's checkpoints: one ``torch.distributed.checkpoint`` (DCP) directory per step in the
+launcher's ``checkpoint_dir``, every rank writing its own shards, committed by a marker that
+global rank 0 writes last; read back newest committed first, weights only unless asked.
 
 The implementation behind ``sparkdist.runtime``'s ``checkpoint_dir``, ``save_checkpoint`` and
-``load_checkpoint`` (the public names, and what they promise, are documented there), so that
-module stays the rank's small public surface. Telling a refused checkpoint (objects
-``weights_only=True`` does not allow) from a damaged one reads the pickles without unpickling
-anything.
+``load_checkpoint`` (the public names, and what they promise, are documented there): checking
+the arguments, and the choice of checkpoint to load (the newest committed one that reads, on
+every rank alike when they load together). The layout, the marker and retention are
+``checkpoint_layout``'s; writing and reading through DCP ``checkpoint_io``'s; what is unpickled
+``checkpoint_pickles``'; state dicts in memory ``checkpoint_state``'s.
 
-Non-goals: sharded state (each rank's own shards: the user gathers it first or saves it under
-names of their own); deciding which rank writes (the caller says).
+Non-goals: DeepSpeed's checkpoints (the marker names a ``format`` so that a reader of another
+format can join "dcp"); deciding when to save (the caller).
 """
 
 from __future__ import annotations
 
-import io
 import logging
+import operator
 import os
 import pickle
-import re
-import zipfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._core.files import replace_atomically
+from sparkdist._node import checkpoint_io, checkpoint_layout, checkpoint_ranks
+from sparkdist._node.checkpoint_layout import Candidate, Unreadable
+from sparkdist._node.checkpoint_pickles import Refused, load_torch_file, refusal
+from sparkdist._node.checkpoint_state import fill, layout_notes
 
 logger = logging.getLogger("sparkdist")
 
-_CHECKPOINT_FILE = re.compile(r"^step-(\d{9})\.pt$")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A complete checkpoint: the step it was taken after, the saved state, and its file."""
+    """A complete checkpoint: the step it was taken after, the saved state, and its path."""
 
     step: int
     state: Any
@@ -50,57 +55,120 @@ def checkpoint_dir() -> str | None:
     return os.environ.get(CHECKPOINT_DIR_VAR) or None
 
 
-def save(state: Any, step: int, *, writer: bool) -> str:
-    """``runtime.save_checkpoint``: every rank calls it, only the ``writer`` writes; the ranks
-    meet before (none runs ahead of a checkpoint being written) and after (none reads it early)
-    when a process group is up."""
-    import torch
-
-    path = os.path.join(_require_checkpoint_dir(), f"step-{int(step):09d}.pt")
-    _barrier()
-    if writer:
-        saved = {"step": int(step), "state": state}
-        replace_atomically(path, lambda f: torch.save(saved, f))
-    _barrier()
-    return path
+def wait_for_pending_saves() -> None:
+    """Finish this rank's asynchronous save, if one is in flight: wait until it is written and
+    committed, and raise its failure (naming its step). The worker calls it after the user's
+    function returns, before the process group goes; it costs nothing when none is pending."""
+    checkpoint_io.wait_for_pending_saves()
 
 
-def load(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint | None:
-    """``runtime.load_checkpoint``: the newest readable checkpoint, or None when there is none;
-    an unreadable one is skipped with a warning, a refused one raises."""
-    import torch
+# -- saving ------------------------------------------------------------------------------------
 
-    directory = _require_checkpoint_dir()
-    steps = sorted(
-        (
-            (int(m.group(1)), name)
-            for name in os.listdir(directory)
-            if (m := _CHECKPOINT_FILE.match(name))
-        ),
-        reverse=True,
+
+def save(
+    state: Any, step: int, *, writer: bool, async_: bool = False, keep_last: int | None = None
+) -> str:
+    """``runtime.save_checkpoint``: every rank calls it and writes its shards (collective when a
+    process group is up); without one, only the ``writer`` writes, as a world of one."""
+    step = _checked_step(step)
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
+        raise ValueError(
+            f"keep_last={keep_last!r}: pass a number of checkpoints to keep, 1 or more, or None "
+            "to keep them all"
+        )
+    directory = _require_checkpoint_dir()  # before the state: this one imports nothing
+    state = _checked_state(state)
+    final = os.path.join(directory, checkpoint_layout.step_name(step))
+    if not checkpoint_ranks.distributed() and not writer:
+        return final  # ranks without a process group: the main process saves for them all
+    notes = layout_notes(state) if checkpoint_ranks.is_coordinator() else {}
+    world_size = _world_size()
+
+    def commit(written_to: str) -> None:
+        marker = {
+            "format": "dcp",
+            "step": step,
+            "world_size": world_size,
+            "saved_at": round(time.time(), 3),
+            "keys": notes,
+        }
+        checkpoint_layout.commit(directory, written_to, final, marker)
+        if keep_last is not None:
+            checkpoint_layout.retain(directory, keep_last, step)
+
+    return checkpoint_io.save(
+        state,
+        step=step,
+        prepare=lambda: checkpoint_layout.prepare(directory, step),
+        commit=commit,
+        async_=async_,
     )
+
+
+def _checked_step(step: Any) -> int:
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step={step!r} ({type(step).__name__}): pass the step as an int") from None
+    if not 0 <= value <= checkpoint_layout.MAX_STEP:
+        raise ValueError(
+            f"step={value}: pass a step from 0 to {checkpoint_layout.MAX_STEP} (it names the "
+            "checkpoint's directory, step-<9 digits>)"
+        )
+    return value
+
+
+def _checked_state(state: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
+        raise TypeError(
+            f"save_checkpoint takes the state as a dict with str keys, such as "
+            '{"model": model.state_dict(), "optimizer": optimizer.state_dict()}; got '
+            f"{type(state).__name__}"
+            + (" with keys that are not str" if isinstance(state, dict) else "")
+        )
+    # DCP would call state_dict() itself; called here once, the layout notes see the same state.
+    return {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+
+
+def load(
+    first: Any = None, *, map_location: Any = "cpu", weights_only: bool = True
+) -> Checkpoint | None:
+    """``runtime.load_checkpoint``: the newest readable checkpoint, or None when there is none;
+    an unreadable one is skipped with a warning, a refused one raises. Collective with
+    ``into`` when a process group is up (rank 0 lists the candidates, the ranks load each
+    together); without it, each rank reads on its own."""
+    into, map_location = _into_and_location(first, map_location)
+    checkpoint_io.wait_for_pending_saves()
+    directory = _require_checkpoint_dir()
+    together = into is not None and checkpoint_ranks.distributed()
+    if together:
+        candidates = checkpoint_ranks.share_from_rank0(
+            lambda: checkpoint_layout.candidates(directory)
+        )
+    else:
+        candidates = checkpoint_layout.candidates(directory)
     unreadable: list[str] = []
-    for _, name in steps:
-        path = os.path.join(directory, name)
+    for candidate in candidates:
         try:
-            saved = torch.load(path, map_location=map_location, weights_only=weights_only)
-        except FileNotFoundError:
+            step, state = _read(candidate, into, map_location, weights_only, together)
+        except Refused as exc:
+            raise pickle.UnpicklingError(refusal(candidate.path, exc.names)) from exc
+        except _Gone:
             continue  # removed since it was listed
-        except Exception as exc:  # noqa: BLE001 - any failure to read means: try the one before
-            refused = _refused_globals(path) if weights_only else []
-            if refused:
-                raise pickle.UnpicklingError(_refusal(path, refused)) from exc
-            reason = _first_line(exc)
+        except Unreadable as exc:
+            reason = str(exc)
         else:
-            if isinstance(saved, dict) and isinstance(saved.get("step"), int) and "state" in saved:
-                return Checkpoint(step=int(saved["step"]), state=saved["state"], path=path)
-            reason = 'not written by save_checkpoint (no "step" and "state")'
+            return Checkpoint(step=step, state=state, path=candidate.path)
         logger.warning(
             "sparkdist: checkpoint %s cannot be read (%s); trying the checkpoint before it",
-            path,
+            candidate.path,
             reason,
         )
-        unreadable.append(f"{path}: {reason}")
+        unreadable.append(f"{candidate.path}: {reason}")
     if unreadable:
         raise RuntimeError(
             f"no checkpoint in {directory} can be read: " + "; ".join(unreadable) + ". Move "
@@ -109,93 +177,119 @@ def load(map_location: Any = "cpu", *, weights_only: bool = True) -> Checkpoint 
     return None
 
 
-def _refusal(path: str, refused: list[str]) -> str:
-    shown = ", ".join(refused[:5]) + (f" and {len(refused) - 5} more" if len(refused) > 5 else "")
-    return (
-        f"checkpoint {path} holds objects that load_checkpoint does not unpickle by default "
-        f"({shown}): unpickling them can run any code, and anyone who can write "
-        f"{os.path.dirname(path)} could have put them there. If you trust this file and "
-        "everyone who can write that directory, call load_checkpoint(weights_only=False); or "
-        "allow just these classes with torch.serialization.add_safe_globals([...]) before "
-        "loading; or save only tensors, numbers, strings and plain containers (state_dict())"
+def _into_and_location(first: Any, map_location: Any) -> tuple[dict[str, Any] | None, Any]:
+    """``load_checkpoint``'s first argument: the state dict to load into, or (as before it took
+    one) a ``map_location`` given by position: a str, a ``torch.device`` or a callable."""
+    if first is None or isinstance(first, dict):
+        return first, map_location
+    import torch
+
+    if isinstance(first, torch.nn.Module) or not (
+        isinstance(first, (str, torch.device)) or callable(first)
+    ):
+        raise TypeError(
+            f"load_checkpoint(into=...) takes the state dict to load into, such as "
+            '{"model": model.state_dict()} or {"model": model}; got '
+            f"{type(first).__name__} (pass map_location= by keyword)"
+        )
+    if not (isinstance(map_location, str) and map_location == "cpu"):
+        raise TypeError(
+            f"load_checkpoint got map_location twice: {first!r} by position and "
+            f"{map_location!r} by keyword"
+        )
+    return None, first
+
+
+def _read(
+    candidate: Candidate,
+    into: dict[str, Any] | None,
+    map_location: Any,
+    weights_only: bool,
+    together: bool,
+) -> tuple[int, Any]:
+    """(step, state) of one candidate; raises ``Refused``, ``Unreadable`` or ``_Gone``, on
+    every rank alike when the ranks read ``together``."""
+    if candidate.legacy:
+        step, state = _settled(
+            lambda: _read_legacy(candidate.path, map_location, weights_only), candidate, together
+        )
+        if into is None:
+            return step, state
+        _settled(lambda: fill(into, state), candidate, together)
+        return step, into
+    marker, metadata = _settled(
+        lambda: (
+            checkpoint_layout.read_marker(candidate),
+            checkpoint_io.read_metadata(candidate.path, weights_only=weights_only),
+        ),
+        candidate,
+        together,
     )
+    try:  # DCP's own collectives fail on every rank alike
+        if into is not None:
+            checkpoint_io.read_into(
+                into, candidate.path, metadata, map_location=map_location, weights_only=weights_only
+            )
+            return candidate.step, into
+        state = checkpoint_io.read_whole(
+            candidate.path,
+            metadata,
+            marker.get("keys") or {},
+            map_location=map_location,
+            weights_only=weights_only,
+        )
+    except (Refused, Unreadable):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure to read means: try the one before
+        raise Unreadable(checkpoint_ranks.describe(exc)) from exc
+    return candidate.step, state
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    text = lines[0] if lines else ""
-    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
-
-
-def _refused_globals(path: str) -> list[str]:
-    """The importable names (``module.name``) that the checkpoint's complete pickles use and
-    ``torch.load(weights_only=True)`` does not allow; empty when there are none or when no
-    pickle in the file is complete (a damaged file, not a refused one).
-
-    Read without unpickling anything (``pickletools``), so a file that torch refuses can be
-    told apart from one that is cut short.
-    """
+def _settled(read: Callable[[], T], candidate: Candidate, together: bool) -> T:
+    """``read()`` on this rank alone, its failure as ``Refused``, ``Unreadable`` or ``_Gone``
+    (the candidate removed since it was listed); with ``together``, the ranks go on only if
+    none failed (else all raise the lowest failed rank's reason)."""
+    problem: tuple[str, Any] | None = None
+    value: T | None = None
     try:
-        if zipfile.is_zipfile(path):  # torch.save's format: the pickle is <archive>/data.pkl
-            with zipfile.ZipFile(path) as archive:
-                names = [n for n in archive.namelist() if n.endswith("/data.pkl")]
-                data = archive.read(names[0]) if names else b""
-        else:  # torch's legacy format or a bare pickle: pickles one after another
-            with open(path, "rb") as f:
-                data = f.read()
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return []
-    return sorted(_globals_in_pickles(data) - _allowed_globals())
+        value = read()
+    except Refused as exc:
+        problem = ("refused", exc.names)
+    except FileNotFoundError as exc:
+        gone = not os.path.lexists(candidate.path)
+        problem = ("gone", "") if gone else ("unreadable", checkpoint_ranks.describe(exc))
+    except Unreadable as exc:
+        problem = ("unreadable", str(exc))
+    except Exception as exc:  # noqa: BLE001 - any failure to read means: try the one before
+        problem = ("unreadable", checkpoint_ranks.describe(exc))
+    if together:
+        problem = checkpoint_ranks.agree(problem)
+    if problem is None:
+        return cast(T, value)
+    kind, detail = problem
+    if kind == "refused":
+        raise Refused(detail)
+    raise _Gone() if kind == "gone" else Unreadable(detail)
 
 
-def _globals_in_pickles(data: bytes) -> set[str]:
-    """Globals of every complete pickle at the start of ``data`` (one after another, as in
-    torch's legacy format), up to the first that does not parse."""
-    import pickletools
-
-    found: set[str] = set()
-    stream = io.BytesIO(data)
-    while stream.tell() < len(data):
-        names: set[str] = set()
-        strings: list[str] = []  # string pushes, for STACK_GLOBAL's module and name
-        memo: dict[int, str | None] = {}
-        pushed: str | None = None
-        try:
-            for op, arg, _ in pickletools.genops(stream):
-                if op.name in ("GLOBAL", "INST"):
-                    names.add(str(arg).replace(" ", "."))
-                elif op.name == "STACK_GLOBAL":
-                    names.add(".".join(strings[-2:]) if len(strings) >= 2 else "<unknown>")
-                elif op.name == "MEMOIZE":
-                    memo[len(memo)] = pushed
-                elif op.name in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
-                    memo[arg] = pushed
-                elif op.name in ("GET", "BINGET", "LONG_BINGET") and isinstance(arg, int):
-                    value = memo.get(arg)
-                    if value is not None:
-                        strings.append(value)
-                pushed = arg if isinstance(arg, str) and op.name.endswith(_STRING_OPS) else None
-                if pushed is not None:
-                    strings.append(pushed)
-        except Exception:  # noqa: BLE001 - cut short or not a pickle: its names do not count
-            break
-        found |= names
-    return found
+class _Gone(Exception):
+    """A checkpoint removed since it was listed."""
 
 
-_STRING_OPS = ("STRING", "UNICODE", "UNICODE8")
+def _read_legacy(path: str, map_location: Any, weights_only: bool) -> tuple[int, Any]:
+    saved = load_torch_file(path, map_location, weights_only=weights_only)
+    if isinstance(saved, dict) and isinstance(saved.get("step"), int) and "state" in saved:
+        return int(saved["step"]), saved["state"]
+    raise Unreadable('not written by save_checkpoint (no "step" and "state")')
 
 
-def _allowed_globals() -> set[str]:
-    """What ``weights_only=True`` accepts: torch's own list plus ``add_safe_globals``."""
-    try:
-        from torch import _weights_only_unpickler as unpickler
+# -- shared ------------------------------------------------------------------------------------
 
-        allowed = set(unpickler._get_allowed_globals())
-        allowed |= set(unpickler._get_user_allowed_globals())  # type: ignore[no-untyped-call]
-    except Exception:  # noqa: BLE001 - a torch without these: name every global
-        return set()
-    return allowed
+
+def _world_size() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if checkpoint_ranks.distributed() else 1
 
 
 def _require_checkpoint_dir() -> str:
@@ -206,10 +300,3 @@ def _require_checkpoint_dir() -> str:
             "every rank can reach, on a cluster)"
         )
     return directory
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()

@@ -13,7 +13,7 @@ with the store coming up:
    group the user left open and writes ``rank-N.value`` or ``rank-N.failure`` atomically.
 
 End of file on the command pipe means the agent is gone: the worker kills its own process group
-at once, so no rank outlives its launcher.
+at once, so no rank outlives its launcher. SIGTERM is a preemption notice (``drain``).
 
 Non-goals: output forwarding (the agent reads our stdout/stderr), deciding the environment.
 """
@@ -51,6 +51,7 @@ from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
 from sparkdist._core.rendezvous import diagnose
+from sparkdist._node import drain
 from sparkdist._node.parent_death import die_with_parent
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
@@ -111,6 +112,8 @@ class _AgentLink:
                 self.master_port = message.master_port
                 self.rank_env = dict(message.env)
                 self.rendezvous.set()
+            elif isinstance(message, protocol.Drain):
+                drain.drain_from_agent(message.reason)
         # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
         # clean up after the run: remove its directory and take our whole process group
         # (DataLoader workers included) down with us, and what left it (a child that called
@@ -148,6 +151,7 @@ def main() -> None:
     link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
     rank = link.rank = int(env["RANK"])
     result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)
+    drain.install(rank, result_dir, link.send)  # SIGTERM: a preemption notice, not an end
     job_file = env.pop(JOB_FILE_VAR)
     start_timeout_s = float(env.pop(START_TIMEOUT_VAR, "300"))
     try:
@@ -169,6 +173,7 @@ def main() -> None:
 
             prepare_deepspeed_rank(env)  # no wait on a dead build's lock, no op build in the run
         value = _run(job)
+        _wait_for_pending_checkpoints()  # an async save still writing is part of the run
         _destroy_process_group()
     except BaseException as exc:  # noqa: BLE001 - every way out of user code is recorded
         code = _exit_code_of(exc)
@@ -268,6 +273,16 @@ def _run(job: Any) -> Any:
     else:
         runpy.run_module(job.target, run_name="__main__", alter_sys=True)
     return None
+
+
+def _wait_for_pending_checkpoints() -> None:
+    """Finish (and commit) an async ``runtime.save_checkpoint`` still writing, while the
+    process group its collectives use is up; a failed write becomes this rank's failure."""
+    if "sparkdist._node.checkpoints" not in sys.modules:
+        return  # no checkpoint was saved: nothing to import or wait for
+    from sparkdist._node.checkpoints import wait_for_pending_saves
+
+    wait_for_pending_saves()
 
 
 def _destroy_process_group() -> None:

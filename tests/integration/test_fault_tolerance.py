@@ -79,8 +79,10 @@ def test_restart_resumes_from_checkpoint_bit_for_bit(tmp_path):
     assert resumed["restart_count"] == 1 and resumed["resumed_from"] == 30
     for key, value in uninterrupted["state"].items():
         assert value.equal(resumed["state"][key]), key  # bit for bit
-    # Only complete checkpoints are there: no temporary file survives.
-    assert sorted(os.listdir(tmp_path / "b")) == [f"step-{s:09d}.pt" for s in range(10, 61, 10)]
+    # Only complete checkpoints are there, each committed: no temporary file survives.
+    assert sorted(os.listdir(tmp_path / "b")) == [f"step-{s:09d}" for s in range(10, 61, 10)]
+    for step in range(10, 61, 10):
+        assert (tmp_path / "b" / f"step-{step:09d}" / "COMMITTED").is_file()
 
 
 def always_fails():

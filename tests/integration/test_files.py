@@ -65,9 +65,13 @@ def test_checkpoints_are_private_in_private_directories(tmp_path):
     directory = tmp_path / "new" / "ckpt"  # neither exists: the launcher creates both
     values = Distributor(2, use_gpu=False, checkpoint_dir=directory).run_all(save_two_and_load)
     assert values.values == [(2, 2.0), (2, 2.0)]
-    assert sorted(os.listdir(directory)) == ["step-000000001.pt", "step-000000002.pt"]
+    assert sorted(os.listdir(directory)) == ["step-000000001", "step-000000002"]
     for name in os.listdir(directory):
-        assert mode_of(directory / name) == 0o600, name
+        assert mode_of(directory / name) == 0o700, name
+        files = os.listdir(directory / name)
+        assert "COMMITTED" in files and ".metadata" in files, files
+        for file in files:
+            assert mode_of(directory / name / file) == 0o600, (name, file)
     assert mode_of(directory) == 0o700
     assert mode_of(tmp_path / "new") == 0o700
 

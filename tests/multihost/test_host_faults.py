@@ -248,7 +248,7 @@ threading.Thread(target=wait_for_it, daemon=True).start()
 """
     )
     deadline = time.monotonic() + 120
-    while not (checkpoints / f"step-{10:09d}.pt").exists():
+    while not (checkpoints / f"step-{10:09d}" / "COMMITTED").exists():
         assert time.monotonic() < deadline, "no checkpoint of step 10"
         time.sleep(0.05)
     busy = {p["host"] for p in lab.rank_processes()}

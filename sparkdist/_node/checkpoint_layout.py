@@ -1,0 +1,209 @@
+"""The checkpoint directory's layout: step directories, their commit marker, which ones count,
+making room for a step, and removing old ones; plain files, no torch.
+
+Layout::
+
+    <checkpoint_dir>/step-000000120/     0700, one per saved step: DCP's own format
+        __0_0.distcp  __1_0.distcp ...   each rank's shards, 0600
+        .metadata                        DCP's index of the shards
+        COMMITTED                        written last: {"format": "dcp", "step": 120, ...}
+    <checkpoint_dir>/step-000000100.pt   a single-file checkpoint of earlier versions: read,
+                                         never written nor removed
+
+A step directory counts only with its marker. Nothing is removed that does not match these
+names (a step directory holding anything else is left, and named).
+
+Non-goals: what the shards hold and how they are written (``checkpoint_io``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from sparkdist._core.files import (
+    PRIVATE_DIR_MODE,
+    fsync_directory,
+    make_private_dirs,
+    replace_atomically,
+)
+
+logger = logging.getLogger("sparkdist")
+
+MARKER = "COMMITTED"
+#: The formats this version reads (the marker's "format"; a DeepSpeed reader would join them);
+#: it writes "dcp".
+READABLE_FORMATS = ("dcp",)
+MAX_STEP = 10**9 - 1  # nine digits in the names
+
+_STEP_DIR = re.compile(r"^step-(\d{9})$")
+_LEGACY_FILE = re.compile(r"^step-(\d{9})\.pt$")
+#: What a step directory holds that sparkdist (through DCP) wrote: nothing else is removed.
+_OWN_FILE = re.compile(
+    r"^(COMMITTED|\.COMMITTED\..*\.tmp|\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?))$"
+)
+
+
+class Unreadable(Exception):
+    """A checkpoint that cannot be read; the message says why (for the warning)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint that may be loaded: a committed step directory or an old single file."""
+
+    step: int
+    path: str
+    legacy: bool  # a single-file checkpoint of earlier versions
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+# -- writing (global rank 0) -------------------------------------------------------------------
+
+
+def prepare(directory: str, step: int) -> tuple[str, str]:
+    """Before the ranks write: the directory to write to, and the checkpoint's final one.
+
+    A committed checkpoint of this step stays until the new one is committed beside it (in
+    ``.step-<N>.replacing``); an uncommitted one (a crash's) is cleared first.
+    """
+    make_private_dirs(directory)
+    name = step_name(step)
+    final = os.path.join(directory, name)
+    replacing = os.path.join(directory, f".{name}.replacing")
+    _clear(replacing)  # an earlier replacement's leftover
+    if not os.path.lexists(final):
+        target = final
+    elif os.path.islink(final) or not os.path.isdir(final):
+        raise RuntimeError(
+            f"{final} is in the way of checkpoint step {step}: it is not a directory sparkdist "
+            "wrote; move it away, then save again"
+        )
+    elif os.path.isfile(os.path.join(final, MARKER)):
+        target = replacing
+    else:
+        _clear(final)
+        target = final
+    os.mkdir(target, PRIVATE_DIR_MODE)
+    os.chmod(target, PRIVATE_DIR_MODE)  # mkdir's mode passes through the umask
+    return target, final
+
+
+def commit(directory: str, written_to: str, final: str, marker: dict[str, Any]) -> None:
+    """Once every rank's shards are on disk: the marker, last and atomically (fsync, rename,
+    fsync of the directory); a checkpoint it replaces swapped out, then removed.
+
+    Between the two renames of a replacement no directory of that step exists (the older
+    checkpoints still do); the new one is complete and committed before the first.
+    """
+    data = json.dumps(marker).encode()
+
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    replace_atomically(os.path.join(written_to, MARKER), write)
+    if written_to != final:
+        aside = os.path.join(directory, f".{os.path.basename(final)}.replaced")
+        _clear(aside)
+        os.rename(final, aside)
+        os.rename(written_to, final)
+        fsync_directory(directory)
+        _remove(aside)
+    fsync_directory(directory)  # the step directory's own entry
+
+
+def retain(directory: str, keep_last: int, written: int) -> None:
+    """Keep the newest ``keep_last`` committed checkpoints and the one just ``written``; remove
+    older committed ones, and uncommitted step directories older than the newest commit."""
+    entries = [
+        (step, path, os.path.isfile(os.path.join(path, MARKER))) for step, path in _dirs(directory)
+    ]
+    committed = sorted((step for step, _, done in entries if done), reverse=True)
+    keep = set(committed[:keep_last]) | {written}
+    newest = committed[0] if committed else None
+    for step, path, done in entries:
+        if step in keep or (not done and (newest is None or step > newest)):
+            continue
+        _remove(path)
+
+
+def _dirs(directory: str) -> list[tuple[int, str]]:
+    found = []
+    for name in os.listdir(directory):
+        match = _STEP_DIR.match(name)
+        path = os.path.join(directory, name)
+        if match and os.path.isdir(path) and not os.path.islink(path):
+            found.append((int(match.group(1)), path))
+    return found
+
+
+def _clear(path: str) -> None:
+    """Remove a step directory sparkdist wrote (the marker first, so a removal cut short leaves
+    an uncommitted one); refuse one holding anything else."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise RuntimeError(f"{path} is not a directory sparkdist wrote; move it away")
+    names = os.listdir(path)
+    others = sorted(n for n in names if not _OWN_FILE.match(n))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        raise RuntimeError(
+            f"{path} holds files sparkdist did not write ({shown}); move them away, then save again"
+        )
+    for name in sorted(names, key=lambda n: n != MARKER):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(path, name))
+    os.rmdir(path)
+
+
+def _remove(path: str) -> None:
+    try:
+        _clear(path)
+    except (OSError, RuntimeError) as exc:
+        logger.warning("sparkdist: checkpoint %s was not removed: %s", path, exc)
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+
+def candidates(directory: str) -> list[Candidate]:
+    """Committed step directories and old single files, newest step first (a directory before
+    a file of the same step); none when the directory is not there yet."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if (match := _STEP_DIR.match(name)) and os.path.isfile(os.path.join(path, MARKER)):
+            found.append(Candidate(int(match.group(1)), path, legacy=False))
+        elif match := _LEGACY_FILE.match(name):
+            found.append(Candidate(int(match.group(1)), path, legacy=True))
+    return sorted(found, key=lambda c: (c.step, not c.legacy), reverse=True)
+
+
+def read_marker(candidate: Candidate) -> dict[str, Any]:
+    """The step directory's commit marker, checked (``Unreadable`` says what is wrong)."""
+    with open(os.path.join(candidate.path, MARKER), "rb") as f:
+        try:
+            marker = json.loads(f.read())
+        except ValueError:
+            raise Unreadable("its commit marker is not JSON") from None
+    if not isinstance(marker, dict) or marker.get("step") != candidate.step:
+        raise Unreadable(f"its commit marker does not name step {candidate.step}")
+    if marker.get("format") not in READABLE_FORMATS:
+        raise Unreadable(
+            f"its commit marker names format {marker.get('format')!r}, which this version of "
+            f"sparkdist does not read (it reads {', '.join(READABLE_FORMATS)})"
+        )
+    return marker
