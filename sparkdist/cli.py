@@ -10,8 +10,9 @@ Spark master), which ``execute`` hands to ``Distributor``. It prints (rank outpu
 the engine as ``[rank N] line``); library modules never do.
 
 Exit codes of ``run``: 0 when every rank succeeded; the exit code of the rank that failed first
-(128+N when signal N killed it); 124 when ``--timeout`` passed; 130 after Ctrl-C; 2 for bad
-arguments or configuration; 1 for anything else that stopped the run.
+(128+N when signal N killed it); 124 when ``--timeout`` passed; 130 after Ctrl-C; 143 after
+SIGTERM (the run drained first: ``Launch.wait``); 2 for bad arguments or configuration; 1 for
+anything else that stopped the run.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from sparkdist._core.checks import check_launchable
 from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
+    DEFAULT_PREEMPTION_GRACE_S,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_WINDOW_S,
@@ -75,6 +76,7 @@ def distributed(
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     heartbeat_timeout_s: float | None = None,
+    preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S,
     mlflow: bool | None = None,
     requirements: Sequence[str] | None = None,
     job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB,
@@ -106,9 +108,9 @@ def distributed(
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank (not the ones sparkdist sets).
         min_processes, deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
-            requirements, job_size_warn_mb, job_size_limit_mb, allow_oversubscribe,
-            system_metrics_interval_s, straggler_fraction, straggler_window_s: as on
-            ``Distributor``.
+            preemption_grace_s, requirements, job_size_warn_mb, job_size_limit_mb,
+            allow_oversubscribe, system_metrics_interval_s, straggler_fraction,
+            straggler_window_s: as on ``Distributor``.
         spark: the SparkSession to use (default: the active one). It is not pickled with the
             function; an unpickled function uses the active session.
 

@@ -20,6 +20,7 @@ from sparkdist._core.checks import check_launchable
 from sparkdist._core.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
+    DEFAULT_PREEMPTION_GRACE_S,
     DEFAULT_START_TIMEOUT_S,
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_WINDOW_S,
@@ -79,6 +80,11 @@ class Distributor:
         heartbeat_timeout_s: declare a rank hung when, after joining, it goes this long
             without ``runtime.report()`` or ``runtime.heartbeat()``: its Python stack is
             dumped into its output and the run stops with ``WorkerFailedError``.
+        preemption_grace_s: after a preemption notice (SIGTERM to a rank, to an agent's
+            process, or to the driver while it waits in ``run``), how many seconds the ranks
+            have to save a checkpoint and return (``runtime.should_stop()`` says when); those
+            still running then are stopped. A preempted run restarts from its checkpoint
+            without using ``max_restarts``; a SIGTERM to the driver ends the run instead.
         gpu_type: require this GPU model ("H100", ``GPUType.A100``...) on every host that runs
             a rank; checked before any rank starts (``ClusterError`` naming both otherwise).
         mlflow: False turns MLflow tracking off, True turns it on; None (the default) follows
@@ -144,6 +150,7 @@ class Distributor:
         max_restarts: int = 0,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         heartbeat_timeout_s: float | None = None,
+        preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S,
         gpu_type: str | None = None,
         mlflow: bool | None = None,
         requirements: Sequence[str] | None = None,

@@ -359,10 +359,10 @@ def should_stop() -> bool:
         ...         runtime.save_checkpoint(state, step + 1)
         ...         return
     """
+    from sparkdist._node import agent_link as _agent_link
     from sparkdist._node import drain as _drain
-    from sparkdist._node import worker as _worker
 
-    if _worker.own_rank() is None:
+    if _agent_link.own_rank() is None:
         return False
     if _drain.agreed():  # every rank answered True at the same call: no collective needed
         return True
@@ -407,22 +407,22 @@ def on_preemption(callback: Callable[[str], object]) -> None:
     Example:
         >>> runtime.on_preemption(lambda why: print("preempted:", why, flush=True))
     """
+    from sparkdist._node import agent_link as _agent_link
     from sparkdist._node import drain as _drain
-    from sparkdist._node import worker as _worker
 
-    if _worker.own_rank() is not None:
+    if _agent_link.own_rank() is not None:
         _drain.on_preemption(callback)
 
 
 def heartbeat() -> None:
     """Tell the launcher this rank is alive (for ``heartbeat_timeout_s``); cheap, no-op
     outside a sparkdist rank."""
-    from sparkdist._node import worker as _worker
+    from sparkdist._node import agent_link as _agent_link
     from sparkdist._wire import protocol
 
-    rank = _worker.own_rank()
+    rank = _agent_link.own_rank()
     if rank is not None:
-        _worker.send_to_agent(protocol.Beat(rank))
+        _agent_link.send_to_agent(protocol.Beat(rank))
 
 
 def report(step: int | None = None, total: int | None = None, **metrics: float) -> None:
@@ -438,7 +438,7 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
     Example:
         >>> runtime.report(step=10, total=100, loss=0.25)
     """
-    from sparkdist._node import worker as _worker
+    from sparkdist._node import agent_link as _agent_link
     from sparkdist._wire import protocol
 
     clean = {
@@ -446,7 +446,7 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
         for k, v in metrics.items()
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
     }
-    rank = _worker.own_rank()
+    rank = _agent_link.own_rank()
     message = protocol.Report(
         rank=rank or 0,  # checked even outside a rank, where nothing is sent
         step=int(step) if step is not None else None,
@@ -463,7 +463,7 @@ def report(step: int | None = None, total: int | None = None, **metrics: float) 
             "characters"
         ) from None
     if rank is not None:
-        _worker.send_to_agent(message)
+        _agent_link.send_to_agent(message)
 
 
 # -- checkpoints (the implementation: _node/checkpoints.py) ---------------------------------

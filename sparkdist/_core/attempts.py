@@ -7,7 +7,12 @@ ran on and how it ended) (pure).
   node) is retried once, not blindly: a second attempt in a row that fails before starting
   would fail the same way a third time;
 - a host that was where an attempt's root cause struck twice is not used again in the run
-  (the backend is asked to give up its executors: ``Backend.avoid_hosts``).
+  (the backend is asked to give up its executors: ``Backend.avoid_hosts``);
+- a preempted attempt (``Attempt.preempted``: a SIGTERM reached a rank or an agent; the ranks
+  drained) is restarted without using ``max_restarts``: the cluster took the capacity back,
+  the job did nothing wrong. Preemptions are counted apart, and ``PREEMPTIONS_IN_A_ROW`` of
+  them in a row end the run (a cluster that takes the capacity back each time would restart
+  it forever).
 
 Non-goals: running the attempts (``_engine.launch``), finding the root cause (``run_state``).
 """
@@ -17,13 +22,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from sparkdist._core.errors import Attempt, RankFailure, WorkerFailedError
+from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
 from sparkdist._core.run_state import RunState
 
 #: A host where this many attempts' root causes struck is avoided for the rest of the run.
 HOST_FAILURES_TO_AVOID = 2
 #: Attempts in a row that may fail before every rank started; then no more restarts.
 START_FAILURES_IN_A_ROW = 2
+#: Attempts in a row that may be preempted; the next preemption ends the run.
+PREEMPTIONS_IN_A_ROW = 3
 
 
 def start_failures_stop(attempts: Sequence[Attempt]) -> str | None:
@@ -39,6 +46,26 @@ def start_failures_stop(attempts: Sequence[Attempt]) -> str | None:
     return None
 
 
+def failed_attempts(attempts: Sequence[Attempt]) -> int:
+    """How many of ``attempts`` failed: what ``max_restarts`` counts (preemptions are not)."""
+    return sum(1 for a in attempts if not a.preempted)
+
+
+def preemption_error(attempts: Sequence[Attempt]) -> ClusterError | None:
+    """The error the run ends with after a preempted attempt (the last of ``attempts``): the
+    last ``PREEMPTIONS_IN_A_ROW`` were all preempted; None: it restarts."""
+    recent = attempts[-PREEMPTIONS_IN_A_ROW:]
+    if len(recent) < PREEMPTIONS_IN_A_ROW or not all(a.preempted for a in recent):
+        return None
+    lines = [
+        f"the run was preempted {PREEMPTIONS_IN_A_ROW} times in a row and is not restarted "
+        "again (preemptions do not use max_restarts, but the cluster kept taking the capacity "
+        "back); its last checkpoint is kept: launch it again once the cluster can hold it",
+        *(a.summary() for a in attempts),
+    ]
+    return ClusterError("\n".join(lines))
+
+
 def hosts_to_avoid(attempts: Sequence[Attempt]) -> set[str]:
     """Hosts where at least ``HOST_FAILURES_TO_AVOID`` attempts' root causes struck."""
     struck = collections.Counter(
@@ -49,8 +76,11 @@ def hosts_to_avoid(attempts: Sequence[Attempt]) -> set[str]:
 
 def attempt_of(state: RunState, number: int, failure: RankFailure | None = None) -> Attempt:
     """An attempt for the run's history, from its run state: its nodes' hosts, its root cause,
-    and whether that rank failed before it ever joined (an import error, a bad environment)."""
+    and whether that rank failed before it ever joined (an import error, a bad environment);
+    or, when a preemption notice ended it, why it was preempted (and no root cause)."""
     hosts = tuple(state.node_hosts.get(n, "?") for n in range(state.num_nodes))
+    if state.was_preempted:
+        return Attempt(number, hosts, preempted=state.preempted)
     return Attempt(number, hosts, failure, failure is not None and failure.rank not in state.joined)
 
 
@@ -60,7 +90,7 @@ def final_error(
     """The error the run ends with after ``failed`` (the last attempt of ``history``), or None
     when it restarts: with every attempt and its hosts once there were several."""
     stop = start_failures_stop(history)
-    budget_left = len(history) <= max_restarts
+    budget_left = failed_attempts(history) <= max_restarts
     if budget_left and stop is None:
         return None
     if len(history) == 1:

@@ -53,6 +53,9 @@ DEFAULT_JOB_SIZE_WARN_MB = 100.0
 DEFAULT_JOB_SIZE_LIMIT_MB = 2048.0
 #: Seconds between two system samples (CPU, memory, GPUs) of every node; 0 turns them off.
 DEFAULT_SYSTEM_METRICS_INTERVAL_S = 10.0
+#: Seconds from a preemption notice (SIGTERM) to the stop of ranks still running: under
+#: Kubernetes' 30 s between SIGTERM and SIGKILL, so a checkpoint written at once fits.
+DEFAULT_PREEMPTION_GRACE_S = 25.0
 
 
 class Mode(str, enum.Enum):
@@ -107,6 +110,9 @@ class LaunchConfig:
             It is also the silence limit of each node's link to the driver (10 s when unset):
             a node silent that long is lost, and a node that hears nothing from the driver
             that long ends its ranks (docs/restarts.md, host faults).
+        preemption_grace_s: after a preemption notice (SIGTERM to a rank, an agent or the
+            driver), how long the ranks have to save and return before those still running
+            are stopped (docs/restarts.md, preemption).
         mlflow: True/False turns MLflow tracking on/off; None follows SPARKDIST_MLFLOW (on
             unless it is 0).
         requirements: packages every host that runs ranks must have, as "name" (the driver's
@@ -136,6 +142,7 @@ class LaunchConfig:
     max_restarts: int = 0
     checkpoint_dir: str | None = None
     heartbeat_timeout_s: float | None = None
+    preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S
     mlflow: bool | None = None
     requirements: tuple[str, ...] = ()
     job_size_warn_mb: float = DEFAULT_JOB_SIZE_WARN_MB
@@ -179,6 +186,7 @@ class LaunchConfig:
             raise ConfigError(f"max_restarts must be a whole number >= 0, got {self.max_restarts}")
         if self.heartbeat_timeout_s is not None:
             check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
+        check_positive_seconds("preemption_grace_s", self.preemption_grace_s)
         if self.checkpoint_dir is not None:
             self._set(
                 "checkpoint_dir",
@@ -399,6 +407,11 @@ OPTIONS: tuple[Option, ...] = (
         "seconds without runtime.report()/heartbeat() to call a rank hung; a node's link limit",
         _cli("--heartbeat-timeout", kind=CliKind.SECONDS, metavar="SECONDS"),
         default_text="never (link: 10 s)",
+    ),
+    Option(
+        "preemption_grace_s",
+        "after a preemption notice (SIGTERM), seconds the ranks have to save and return",
+        _cli("--preemption-grace", kind=CliKind.SECONDS, metavar="SECONDS"),
     ),
     Option(
         "mlflow",

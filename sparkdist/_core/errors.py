@@ -117,18 +117,25 @@ class Attempt:
     Attributes:
         number: 0 for the first, then each restart's count.
         hosts: each node's host, by node ("?" for a node that never reached the driver).
-        failure: its root cause; None for the attempt that succeeded.
+        failure: its root cause; None for the attempt that succeeded, or was preempted.
         before_start: it failed before every rank had joined the rendezvous.
+        preempted: why and where it was preempted ("node 1 (host 10.0.0.3) got SIGTERM",
+            "the driver got SIGTERM"); "" when it was not. A preempted attempt drained (its
+            ranks saved and returned, or were stopped at ``preemption_grace_s``) and is
+            restarted without using ``max_restarts``.
     """
 
     number: int
     hosts: tuple[str, ...]
     failure: RankFailure | None = None
     before_start: bool = False
+    preempted: str = ""
 
     def summary(self) -> str:
         """One line: ``attempt 1 (on 10.0.0.2, 10.0.0.3) failed first at rank 1 on ...``."""
         head = f"attempt {self.number} (on {', '.join(self.hosts) or 'no host'})"
+        if self.preempted:
+            return f"{head} was preempted: {self.preempted}"
         if self.failure is None:
             return f"{head} succeeded"
         when = " before every rank started," if self.before_start else ""

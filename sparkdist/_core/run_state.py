@@ -22,6 +22,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S
 from sparkdist._core.env import ROWS_PER_RANK_VAR
 
 #: A rank that died without raising (a signal, ``os._exit``) has no timestamp of its own; its
@@ -43,6 +44,11 @@ class StopCause(enum.Enum):
     NODE_LOST = "node_lost"
     REFUSED = "refused"
     BAD_DATA = "bad_data"
+    PREEMPTED = "preempted"  # ranks still ran preemption_grace_s after a preemption notice
+
+
+#: Stops the caller is owed (its own, its deadlines): a preemption notice does not outrank them.
+CALLER_STOPS = (StopCause.CANCELLED, StopCause.TIMED_OUT, StopCause.START_TIMED_OUT)
 
 
 class StartStage(enum.Enum):
@@ -159,6 +165,19 @@ class CancelRequested:
 
 
 @dataclass(frozen=True)
+class PreemptionNotice:
+    """A preemption notice reached the run: SIGTERM to a rank or an agent (its node's word),
+    or to the driver. Every rank is told to drain; ranks still running ``preemption_grace_s``
+    later are stopped.
+
+    Attributes:
+        why: what and where ("node 1 (host 10.0.0.3): rank 1 got SIGTERM").
+    """
+
+    why: str
+
+
+@dataclass(frozen=True)
 class Tick:
     """Time passed, nothing else happened: only the deadlines are checked."""
 
@@ -182,6 +201,7 @@ Event = (
     | NodeDone
     | NodeLost
     | CancelRequested
+    | PreemptionNotice
     | Tick
     | AgentsEnded
 )
@@ -209,7 +229,15 @@ class CancelStage:
     """Cancel the Spark stage (agents did not stop their ranks in time)."""
 
 
-Decision = SendRendezvous | AbortAll | CancelStage
+@dataclass(frozen=True)
+class DrainAll:
+    """Tell every node the run is preempted: ranks save and return (sent once per attempt)."""
+
+    reason: str
+    grace_s: float
+
+
+Decision = SendRendezvous | AbortAll | CancelStage | DrainAll
 
 
 @dataclass(frozen=True)
@@ -219,6 +247,7 @@ class Deadlines:
     start_timeout_s: float
     timeout_s: float | None = None
     failure_grace_s: float = FAILURE_GRACE_S
+    preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S
 
 
 class RunState:
@@ -268,6 +297,8 @@ class RunState:
         self.stage_cancelled = False
         self.agents_ended = False
         self.agents_failed = False
+        self.preempted = ""  # the first preemption notice's why
+        self._drain_started: float | None = None  # monotonic
         self._failure_deadline: float | None = None
         self._now = started_at
 
@@ -277,6 +308,12 @@ class RunState:
     def aborted(self) -> bool:
         """Whether every rank has been told to stop."""
         return self.stop_cause is not None
+
+    @property
+    def was_preempted(self) -> bool:
+        """Whether a preemption notice ended this attempt (its ranks drained, were stopped at
+        the grace, or failed meanwhile), rather than the caller's stop or its deadlines."""
+        return bool(self.preempted) and self.stop_cause not in CALLER_STOPS
 
     def start_stage(self) -> StartStage | None:
         """Where start-up is, or None once every rank has joined."""
@@ -299,6 +336,9 @@ class RunState:
             times.append(self.started_at + self.deadlines.start_timeout_s)
         if self._failure_deadline is not None and not self.stage_cancelled:
             times.append(self._failure_deadline)
+        drain_ends = self._drain_ends()
+        if drain_ends is not None:
+            times.append(drain_ends)
         return min(times) if times else None
 
     def expected_goodbyes(self) -> int:
@@ -360,6 +400,8 @@ class RunState:
                 self._cancel_once_only_lost_remain(decisions)
         elif isinstance(event, CancelRequested):
             self._stop(StopCause.CANCELLED, event.reason, decisions, override=True)
+        elif isinstance(event, PreemptionNotice):
+            self._on_preemption(event.why, decisions)
         elif isinstance(event, AgentsEnded):
             self.agents_ended = True
             self.agents_failed = event.failed
@@ -407,6 +449,22 @@ class RunState:
             self.failure_seen_at.setdefault(event.rank, event.seen_at)
         self._stop(StopCause.RANK_FAILED, f"rank {event.rank} failed", decisions)
 
+    def _on_preemption(self, why: str, decisions: list[Decision]) -> None:
+        # Once the attempt ends for another reason (a failure, a timeout), or has ended, a
+        # notice changes nothing: that is what the attempt is, and what the caller hears.
+        if self.preempted or self.aborted or self.agents_ended:
+            return
+        self.preempted = why
+        self._drain_started = self._now
+        decisions.append(DrainAll(why, self.deadlines.preemption_grace_s))
+
+    def _drain_ends(self) -> float | None:
+        """When ranks still running are stopped (None: no drain, or the ranks are gone)."""
+        if self._drain_started is None or self.aborted or self.agents_ended:
+            return None
+        # Read from the deadlines now, not at the notice: they hold the run's grace.
+        return self._drain_started + self.deadlines.preemption_grace_s
+
     def _on_rows(self, counts: Mapping[int, int], decisions: list[Decision]) -> None:
         self.rows.update(counts)
         if len(self.rows) < self.world_size or self.data_error is not None:
@@ -452,6 +510,16 @@ class RunState:
                 f"start_timeout_s={self.deadlines.start_timeout_s:g} (stuck {stage.value}; "
                 f"{len(self.node_hosts)} of {self.num_nodes} node(s) started); check that the "
                 "executors can start Python with torch, or raise start_timeout_s",
+                decisions,
+            )
+        drain_ends = self._drain_ends()
+        if drain_ends is not None and now >= drain_ends:
+            grace_s = self.deadlines.preemption_grace_s
+            self._stop(
+                StopCause.PREEMPTED,
+                f"preempted ({self.preempted}): ranks still running preemption_grace_s="
+                f"{grace_s:g} after the notice were stopped; call runtime.should_stop() every "
+                "step, and save and return when it says True",
                 decisions,
             )
         if (

@@ -22,11 +22,18 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Iterator
+from signal import SIGTERM, Signals
 from typing import Any
 
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.job_file import JobFile, sweep_job_leftovers
-from sparkdist._core.attempts import attempt_of, final_error, hosts_to_avoid
+from sparkdist._core.attempts import (
+    attempt_of,
+    failed_attempts,
+    final_error,
+    hosts_to_avoid,
+    preemption_error,
+)
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import Attempt, WorkerFailedError
 from sparkdist._core.files import make_private_dirs
@@ -42,6 +49,7 @@ from sparkdist._engine.supervisor import (
     result_of,
     supervise,
 )
+from sparkdist._node.signal_notice import notices_during
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.channel import ChannelServer, new_secret
 from sparkdist._wire.payload import Job
@@ -123,7 +131,11 @@ class Launch:
         previous = self._attempt
         if restart_count and previous is not None:
             placement = self._backend.place_again(self.config, previous.lost_hosts())
-        deadlines = Deadlines(self.config.start_timeout_s, self.config.timeout_s)
+        deadlines = Deadlines(
+            self.config.start_timeout_s,
+            self.config.timeout_s,
+            preemption_grace_s=self.config.preemption_grace_s,
+        )
         host = self._backend.driver_host
         secret = new_secret()
         monitor = RunMonitor(
@@ -162,24 +174,37 @@ class Launch:
             while True:
                 attempt = self._attempt
                 assert attempt is not None
+                state = attempt.monitor.state
                 try:
                     outcomes = supervise(self.config, attempt.agents, attempt.monitor)
                     done = result_of(  # raises when ranks failed
                         outcomes, attempt.monitor, self.run_id, self.config, attempt.placement
                     )
-                    history.append(attempt_of(attempt.monitor.state, len(history)))
-                    self._result = dataclasses.replace(done, attempts=history)
-                    return
+                    if not state.was_preempted:  # after a drain, what ranks return is no result
+                        history.append(attempt_of(state, len(history)))
+                        self._result = dataclasses.replace(done, attempts=history)
+                        return
                 except WorkerFailedError as failed:
-                    history.append(
-                        attempt_of(attempt.monitor.state, len(history), failed.root_cause)
-                    )
-                    final = final_error(history, failed, self.config.max_restarts)
-                    if final is not None:
-                        raise final from failed.__cause__
+                    if not state.was_preempted:
+                        history.append(attempt_of(state, len(history), failed.root_cause))
+                        final = final_error(history, failed, self.config.max_restarts)
+                        if final is not None:
+                            raise final from failed.__cause__
+                except Exception:
+                    if not state.was_preempted:  # else: a stage lost with a preempted executor
+                        raise
                 finally:
                     attempt.close()
-                restart = f"restarting (restart {len(history)} of {self.config.max_restarts})"
+                if state.was_preempted:  # restarted without using max_restarts
+                    history.append(attempt_of(state, len(history)))
+                    if (too_many := preemption_error(history)) is not None:
+                        raise too_many
+                    if self._cancel_reason is not None:  # the driver's SIGTERM: no restart
+                        raise concurrent.futures.CancelledError(self._cancel_reason)
+                    restart = "restarting from its last checkpoint (not counted in max_restarts)"
+                else:
+                    used = failed_attempts(history)
+                    restart = f"restarting (restart {used} of {self.config.max_restarts})"
                 logger.warning(
                     "sparkdist: run %s %s; %s", self.run_id, history[-1].summary(), restart
                 )
@@ -232,10 +257,29 @@ class Launch:
         Anything raised into the waiting thread (KeyboardInterrupt, a test timeout's exception
         from a signal handler) first cancels the run, which returns once every rank and every
         process the ranks started is gone, and then propagates unchanged.
+
+        On the main thread, SIGTERM meanwhile is a preemption notice for the whole run: every
+        rank is told to save and return (``runtime.should_stop()``), those still running after
+        ``preemption_grace_s`` are stopped, nothing restarts; then the previous SIGTERM
+        disposition is put back and the signal delivered again (the process ends with it, or
+        the caller's own handler runs; else this raises ``CancelledError``).
         """
-        with self.cancel_on_exception():
+        with self.cancel_on_exception(), notices_during((SIGTERM,), self._drain, "sparkdist-drain"):
             self._done.wait()
         return self.result(0)
+
+    def _drain(self, signum: int) -> None:
+        """SIGTERM to the driver while it waits on its main thread (``wait``): drain every
+        rank, restart nothing; ``wait`` then delivers the signal again, to end the process as
+        its sender meant (or run the handler the caller had)."""
+        why = f"the driver got {Signals(signum).name}"
+        with self._lock:
+            if self._done.is_set() or self._cancel_reason is not None:
+                return
+            self._cancel_reason = f"{why}: every rank was told to save and return; no restart"
+            attempt = self._attempt
+        if attempt is not None:
+            attempt.monitor.preempt(why)
 
     @contextlib.contextmanager
     def cancel_on_exception(self) -> Iterator[None]:

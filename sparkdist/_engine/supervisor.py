@@ -27,6 +27,7 @@ from sparkdist._core.errors import (
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RunResult
 from sparkdist._core.run_state import (
+    CALLER_STOPS,
     CHANNEL_CLOSED,
     AbortAll,
     AgentsEnded,
@@ -34,12 +35,14 @@ from sparkdist._core.run_state import (
     CancelStage,
     Deadlines,
     Decision,
+    DrainAll,
     Event,
     HoldRendezvous,
     NodeDone,
     NodeHello,
     NodeLost,
     NodeRefused,
+    PreemptionNotice,
     RankFailed,
     RankJoined,
     ReleaseRendezvous,
@@ -71,7 +74,7 @@ AGENT_STOP_S = 5.0
 OUTPUT_DRAIN_S = 5.0
 
 #: Stops the caller is owed promptly: the supervisor raises as soon as the agents are gone.
-_CALLER_STOPS = (StopCause.CANCELLED, StopCause.TIMED_OUT, StopCause.START_TIMED_OUT)
+_CALLER_STOPS = CALLER_STOPS
 
 
 class RunMonitor:
@@ -139,6 +142,9 @@ class RunMonitor:
             self.handle(event)
             if isinstance(message, protocol.Hello) and self.state.stop_reason is not None:
                 peer.send(protocol.Abort(self.state.stop_reason))  # a late node
+            elif isinstance(message, protocol.Hello) and self.state.preempted:
+                grace_s = self.state.deadlines.preemption_grace_s
+                peer.send(protocol.Drain(self.state.preempted, grace_s))
 
     def on_disconnect(self, peer: Peer) -> None:
         """An agent's connection dropped, or went silent: before its "bye", its node is lost."""
@@ -169,6 +175,8 @@ class RunMonitor:
                 return NodeRefused(node, refusal.summary)
             case protocol.Bye(node=node, dropped=dropped):
                 return NodeDone(node, dropped)
+            case protocol.Preempted(why=why):
+                return PreemptionNotice(why)
         return None
 
     # -- events from the driver's side ----------------------------------------------------------
@@ -183,6 +191,10 @@ class RunMonitor:
 
     def cancel(self, reason: str) -> None:
         self.handle(CancelRequested(reason))
+
+    def preempt(self, why: str) -> None:
+        """A preemption notice from the driver's side (SIGTERM to the driver): drain."""
+        self.handle(PreemptionNotice(why))
 
     def tick(self) -> None:
         self.handle(Tick())
@@ -201,6 +213,14 @@ class RunMonitor:
             self._broadcast(protocol.Abort(decision.reason))
         elif isinstance(decision, CancelStage):
             self.stage_cancel_due = True  # done by the supervisor thread: it may wait
+        elif isinstance(decision, DrainAll):
+            logger.warning(
+                "sparkdist: preempted (%s): every rank is told to save and return; those still "
+                "running in %g s are stopped",
+                decision.reason,
+                decision.grace_s,
+            )
+            self._broadcast(protocol.Drain(decision.reason, decision.grace_s))
 
     def _broadcast(self, message: protocol.Message) -> None:
         if self.server is not None:

@@ -8,9 +8,9 @@ the same path.
 
 This module is the orchestration; each part lives in its own module: refusing to start
 (``preflight``), this node's address and interface (``interfaces``), starting and ending ranks
-(``ranks``, ``reaper``), pumping their output
-(``output``), the driver link (``driver_link``), the hang watchdog (``watchdog``) and outcomes
-(``outcomes``). One watching thread takes events (a rank exited, an abort, the driver gone)
+(``ranks``, ``reaper``), pumping their output (``output``), the driver link (``driver_link``),
+the hang watchdog (``watchdog``), outcomes (``outcomes``), preemption (``node_drain``). One
+watching thread takes events (a rank exited, an abort, the driver gone, a preemption notice)
 off one queue and decides: a rank that fails on its own is reported to the driver at once and
 its node-mates are ended without waiting for the driver's word; an "abort" from the driver
 (another node failed, a timeout, Ctrl-C) ends every rank here. In local mode the driver can
@@ -43,6 +43,7 @@ from sparkdist._core.versions import refusal_error
 from sparkdist._node.checkpoint_reach import ReachCheck
 from sparkdist._node.driver_link import DriverLink, tell_driver_once
 from sparkdist._node.interfaces import NodeNetwork, decide_node_network
+from sparkdist._node.node_drain import NodeDrain, own_signals
 from sparkdist._node.outbox import Outbox
 from sparkdist._node.outcomes import detached_outcomes, outcome_of
 from sparkdist._node.output import pump_lines, pump_notes, stderr_noise
@@ -83,8 +84,11 @@ def run_agent(
     channel runs detached (see ``_detached``) instead of failing.
     """
     agent = Agent(spec, expects_data=batches is not None, all_gather=all_gather)
-    if batches is None:
-        return agent.run()
+    with own_signals(agent.events, agent.node_drain.where):  # SIGTERM, SIGHUP: a drain
+        return agent.run() if batches is None else _run_with_data(agent, batches)
+
+
+def _run_with_data(agent: Agent, batches: Iterator[Any]) -> list[Outcome]:
     result: list[list[Outcome]] = []
     error: list[BaseException] = []
 
@@ -132,6 +136,7 @@ class Agent:
         )
         self.network = NodeNetwork(spec.master_addr)  # decided in ``run``, before any spawn
         self.reach = ReachCheck.of(spec)  # every node sees the same checkpoint_dir?
+        self.node_drain = NodeDrain(spec.node_rank, spec.host)
         self.workers: dict[int, RankHandle] = {}
         self.master_port: int | None = None
         self.aborting = False
@@ -265,13 +270,16 @@ class Agent:
             targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
                 (pump_lines, (worker, worker.proc.stdout, protocol.Stream.STDOUT, outbox)),
                 (pump_lines, (worker, worker.proc.stderr, protocol.Stream.STDERR, outbox, noise)),
-                (pump_notes, (worker, outbox, self.link.send_control)),
+                (pump_notes, (worker, outbox, self.link.send_control, self._rank_preempted)),
                 (wait_for_exit, (worker, self.spec, exited)),
             ]
             for target, args in targets:
                 thread = threading.Thread(target=target, args=args, daemon=True)
                 thread.start()
                 worker.threads.append(thread)
+
+    def _rank_preempted(self, why: str) -> None:
+        self.events.put(("preempt", f"{self.node_drain.where}: {why}"))
 
     def _deliver_rendezvous(self, message: protocol.Rendezvous) -> None:
         problem = self.reach.at_rendezvous() if self.reach is not None else None
@@ -298,6 +306,8 @@ class Agent:
             except queue.Empty:
                 self._check_hangs(outbox)
                 self._check_driver_loss()
+                if (late := self.node_drain.overdue(time.monotonic())) is not None:
+                    self._abort(late)
                 continue
             if kind == "exit":
                 worker, code = payload
@@ -308,6 +318,8 @@ class Agent:
                     self._abort(f"rank {worker.seat.rank} failed")
             elif kind == "abort":
                 self._abort(str(payload))
+            elif kind in ("preempt", "drain") and not self.aborting:
+                self.node_drain.act(kind, payload, self.link.send_control, self.workers.values())
             elif kind == "driver_gone" and not self.link.detached:
                 if payload is not None:
                     # Silent, not closed: this node is cut off from the driver (or the driver's
@@ -337,6 +349,8 @@ class Agent:
         if self.driver_lost_at is not None:
             grace_ends = self.driver_lost_at + self._driver_loss_grace_s()
             waits.append(max(0.0, grace_ends - time.monotonic()))
+        if self.node_drain.deadline is not None:
+            waits.append(max(0.0, self.node_drain.deadline - time.monotonic()))
         return min((w for w in waits if w is not None), default=None)
 
     def _check_driver_loss(self) -> None:

@@ -4,9 +4,9 @@ the hello and bye, and what the driver says back.
 
 What arrives is turned into the agent's terms: a rendezvous goes to ``on_rendezvous`` (which
 hands it to the ranks); an abort, a failed detached rendezvous and the channel closing become
-events on the agent's queue ("abort", "driver_gone" with the seconds of the driver's silence
-when that is what ended the link), so the agent's one watching thread
-decides what they mean.
+events on the agent's queue ("abort", "drain" with the driver's ``Drain``, "driver_gone" with
+the seconds of the driver's silence when that is what ended the link), so the agent's one
+watching thread decides what they mean.
 
 Non-goals: the channel itself (``_wire``); the detached exchange (``detached``); deciding what
 to do when the driver is gone (``agent``).
@@ -138,6 +138,8 @@ class DriverLink:
             self._on_rendezvous(message)
         elif isinstance(message, protocol.Abort):
             self._events.put(("abort", message.reason))
+        elif isinstance(message, protocol.Drain):
+            self._events.put(("drain", message))
 
 
 def tell_driver_once(spec: AgentSpec, message: protocol.Message) -> bool:

@@ -1,6 +1,7 @@
 """Pumping a rank's pipes: its stdout/stderr lines to the driver (each also kept in the rank's
 ring of last lines, for its failure report) and its notes (store port, joined, beats, progress
-reports) to where they belong. One known line of c10d noise is dropped (``stderr_noise``).
+reports, a preemption notice) to where they belong. One known line of c10d noise is dropped
+(``stderr_noise``).
 
 One thread per pipe, started by the agent; each ends at the pipe's end of file.
 
@@ -58,12 +59,16 @@ def stderr_noise(environ: Mapping[str, str]) -> Callable[[str], bool] | None:
 
 
 def pump_notes(
-    rank: RankHandle, outbox: Outbox, send_control: Callable[[protocol.Message], None]
+    rank: RankHandle,
+    outbox: Outbox,
+    send_control: Callable[[protocol.Message], None],
+    on_preempted: Callable[[str], None] | None = None,
 ) -> None:
     """Act on every note the rank sends until its end of file.
 
     ``send_control`` takes what the rendezvous needs (the store's port): to the driver, or
-    to a detached node's own rendezvous.
+    to a detached node's own rendezvous. ``on_preempted`` takes a preemption notice the rank
+    got (its ``why``).
     """
     notes = rank.notes
     number = rank.seat.rank
@@ -75,6 +80,9 @@ def pump_notes(
         match note:
             case protocol.Store():
                 send_control(note)
+            case protocol.Preempted(why=why):
+                if on_preempted is not None:
+                    on_preempted(why)
             case protocol.Ready() | protocol.Beat() | protocol.Report():
                 rank.heard_from()
                 # The rank is the one this pipe belongs to, whatever the note says.

@@ -4,7 +4,9 @@ A rank starts from the warm pool or cold (``pool.start_rank``) with its torchrun
 and two private pipes: commands to it and notes from it (``worker``). Ending a rank ends its
 process group, every descendant (one that called setsid included) and every process carrying
 the rank's tag in its environment (``reaper``): SIGTERM, then SIGKILL after a short grace.
-A rank is named by pid and start time, so a reused pid is never signalled.
+A rank is named by pid and start time, so a reused pid is never signalled. Before that SIGTERM
+the rank's stop marker is written: the rank itself takes SIGTERM as a preemption notice unless
+the marker says the signal is ours (``drain``).
 
 Non-goals: what a rank does once started (``worker``); reading its output (``output``);
 deciding when to end it (``agent``, ``watchdog``).
@@ -36,6 +38,7 @@ from sparkdist._core.env import (
     worker_env,
 )
 from sparkdist._core.files import write_private_file
+from sparkdist._node.drain import stop_marker_path
 from sparkdist._node.interfaces import NodeNetwork
 from sparkdist._node.output import LAST_LINES
 from sparkdist._node.partition import partition_path, write_schema
@@ -71,6 +74,7 @@ class RankHandle:
         self.last_beat: float | None = None  # monotonic; set when it joins, then per beat
         self.last_beat_wall = 0.0
         self.hung_for_s: float | None = None
+        self.stop_marker = ""  # its ``drain.stop_marker_path``, once spawned
 
     def tell(self, message: protocol.Message) -> None:
         """Send ``message`` down the rank's command pipe (nothing if it already exited)."""
@@ -79,6 +83,16 @@ class RankHandle:
             self.ctrl_in.flush()
         except (OSError, ValueError):
             pass  # it already exited; its waiter reports that
+
+    def mark_stopping(self) -> None:
+        """Say, before the first signal of our stop, that it is ours: the rank takes SIGTERM
+        as a preemption notice otherwise (``drain``)."""
+        if self.stop_marker:
+            try:
+                with open(self.stop_marker, "x"):
+                    pass
+            except OSError:
+                pass  # there already, or the run directory is gone (so is the rank)
 
     def heard_from(self) -> None:
         """Record a sign of life (joined, a beat, a report) for the hang watchdog."""
@@ -160,7 +174,9 @@ def spawn_rank(
         # The rank holds its own copies of these ends now (or never will).
         os.close(cmd_read)
         os.close(note_write)
-    return RankHandle(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
+    handle = RankHandle(seat, proc, os.fdopen(cmd_write, "wb"), os.fdopen(note_read, "rb"))
+    handle.stop_marker = stop_marker_path(run_dir, seat.rank)
+    return handle
 
 
 def node_tag(spec: AgentSpec, rank: int | None = None) -> dict[str, str]:
@@ -196,6 +212,7 @@ def end_ranks(ranks: Sequence[RankHandle], spec: AgentSpec) -> None:
     for rank in ranks:
         if rank.ended is None:
             rank.killed = True
+            rank.mark_stopping()
     if not ranks:
         return
     survivors = end_processes({r.proc.pid: r.proc_started for r in ranks}, tag=node_tag(spec))

@@ -24,16 +24,14 @@ import atexit
 import faulthandler
 import os
 import runpy
-import shutil
 import signal
 import sys
-import threading
 import time
 import traceback
 import weakref
 from collections.abc import Mapping
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
 
 from sparkdist._core.env import CTRL_IN_VAR as CTRL_IN_VAR
 from sparkdist._core.env import CTRL_OUT_VAR as CTRL_OUT_VAR
@@ -43,7 +41,6 @@ from sparkdist._core.env import (
     HOST_VAR,
     MODE_VAR,
     PARENT_PID_VAR,
-    RUN_ID_VAR,
     USE_GPU_VAR,
 )
 from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
@@ -51,18 +48,12 @@ from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
 from sparkdist._core.rendezvous import diagnose
-from sparkdist._node import drain
+from sparkdist._node import agent_link, drain
 from sparkdist._node.parent_death import die_with_parent
 from sparkdist._wire import protocol
-from sparkdist._wire.protocol import ProtocolError, Route
-
-#: What every process this rank starts inherits: marks strays of this rank and attempt.
-_OWN_VARS = (RUN_ID_VAR, "TORCHELASTIC_RESTART_COUNT", "RANK")
 
 #: The store rank 0 hosts; a module global so it lives exactly as long as the process.
 _store: Any = None
-#: This process's link to its agent (None outside a sparkdist rank); ``runtime`` uses it.
-link: _AgentLink | None = None
 #: The signal on which a rank dumps every thread's Python stack (the hang watchdog sends it).
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -75,80 +66,14 @@ def failure_path(result_dir: str, rank: int) -> str:
     return os.path.join(result_dir, f"rank-{rank}.failure")
 
 
-class _AgentLink:
-    """The two pipes to the agent."""
-
-    def __init__(self, ctrl_in: int, ctrl_out: int) -> None:
-        self._out: BinaryIO = os.fdopen(ctrl_out, "wb", buffering=0)
-        self._in: BinaryIO = os.fdopen(ctrl_in, "rb")
-        self._lock = threading.Lock()
-        self.rank = 0  # this process's global rank, once ``main`` read it
-        self.master_port: int | None = None
-        self.rendezvous = threading.Event()
-        self.rank_env: dict[str, str] = {}
-        self.run_dir = ""
-        threading.Thread(target=self._read, name="sparkdist-agent-link", daemon=True).start()
-
-    def send(self, message: protocol.Message) -> None:
-        """Send a note to the agent.
-
-        Raises:
-            ProtocolError: ``message`` is not a note a rank may send (the error says why).
-        """
-        data = protocol.encode(message, Route.WORKER) + b"\n"
-        with self._lock:
-            try:
-                self._out.write(data)
-            except OSError:
-                pass  # the agent is gone; the reader thread ends the process
-
-    def _read(self) -> None:
-        for line in self._in:
-            try:
-                message = protocol.decode(line.rstrip(b"\n"), Route.WORKER)
-            except ProtocolError:
-                continue  # only the agent writes here; nothing else is for us
-            if isinstance(message, protocol.Rendezvous):
-                self.master_port = message.master_port
-                self.rank_env = dict(message.env)
-                self.rendezvous.set()
-            elif isinstance(message, protocol.Drain):
-                drain.drain_from_agent(message.reason)
-        # End of file: the agent died (it keeps the pipe open until we exit), so nobody will
-        # clean up after the run: remove its directory and take our whole process group
-        # (DataLoader workers included) down with us, and what left it (a child that called
-        # setsid, a daemon carrying our environment).
-        if self.run_dir:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-        from sparkdist._node.reaper import end_descendants
-
-        own = {k: os.environ.get(k, "") for k in _OWN_VARS}
-        end_descendants(own if all(own.values()) else None)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-
-def send_to_agent(message: protocol.Message) -> bool:
-    """Send a note to this rank's agent; False outside a sparkdist rank."""
-    if link is None:
-        return False
-    link.send(message)
-    return True
-
-
-def own_rank() -> int | None:
-    """This process's global rank; None outside a sparkdist rank."""
-    return None if link is None else link.rank
-
-
 def main() -> None:
-    global link
     faulthandler.enable()  # a segfault in a rank prints its Python stack into its output
     faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)
     env = os.environ
     parent = env.pop(PARENT_PID_VAR, None)
     if parent is not None:  # started cold: end with the agent's thread that started us
         die_with_parent(int(parent))
-    link = _AgentLink(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
+    link = agent_link.connect(int(env.pop(CTRL_IN_VAR)), int(env.pop(CTRL_OUT_VAR)))
     rank = link.rank = int(env["RANK"])
     result_dir = link.run_dir = env.pop(RESULT_DIR_VAR)
     drain.install(rank, result_dir, link.send)  # SIGTERM: a preemption notice, not an end

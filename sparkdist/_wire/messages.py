@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 #: The handshake's protocol version: a driver and an agent of different versions never pair.
-PROTOCOL_VERSION = 3  # 3: link beats (``Alive``) both ways
+#: 3: link beats (``Alive``) both ways; 4: preemption notices (``Preempted``, ``Drain``).
+PROTOCOL_VERSION = 4
 #: Largest frame payload (a batch of messages) after the handshake.
 MAX_FRAME_BYTES = 1 << 20
 #: Largest single message: one always fits in a frame on its own.
@@ -228,6 +229,42 @@ class Abort:
 
 
 @dataclass(frozen=True)
+class Preempted:
+    """Agent to driver (and worker to agent): a preemption notice reached this node: SIGTERM
+    to a rank or to the agent's process, SIGHUP to the agent from an executor shutting down.
+
+    Attributes:
+        why: what and where, in words ("rank 1 got SIGTERM" from a rank; "node 1 (host
+            10.0.0.3): rank 1 got SIGTERM" from its agent).
+    """
+
+    why: str
+    kind: ClassVar[str] = "preempted"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "why", _clip(self.why))
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Driver to agent (and agent to worker): the run is preempted: every rank's
+    ``runtime.should_stop()`` answers True from now on, and ranks still running ``grace_s``
+    seconds after the notice are stopped.
+
+    Attributes:
+        reason: the first notice's ``why`` ("the driver got SIGTERM").
+        grace_s: the run's ``preemption_grace_s``.
+    """
+
+    reason: str
+    grace_s: float
+    kind: ClassVar[str] = "drain"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", _clip(self.reason))
+
+
+@dataclass(frozen=True)
 class ClientHello:
     """Handshake, agent first: its protocol version and a fresh nonce."""
 
@@ -275,6 +312,8 @@ Message: TypeAlias = (
     | Alive
     | Rendezvous
     | Abort
+    | Preempted
+    | Drain
     | ClientHello
     | ServerProof
     | ClientProof

@@ -6,13 +6,23 @@ from __future__ import annotations
 import pickle
 
 from sparkdist._core.attempts import (
+    PREEMPTIONS_IN_A_ROW,
     attempt_of,
+    failed_attempts,
     final_error,
     hosts_to_avoid,
+    preemption_error,
     start_failures_stop,
 )
-from sparkdist._core.errors import Attempt, RankFailure, WorkerFailedError
-from sparkdist._core.run_state import Deadlines, NodeHello, RankJoined, RunState
+from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
+from sparkdist._core.run_state import (
+    Deadlines,
+    NodeHello,
+    PreemptionNotice,
+    RankFailed,
+    RankJoined,
+    RunState,
+)
 
 
 def failure(rank: int = 1, host: str = "10.0.0.2", message: str = "boom") -> RankFailure:
@@ -79,3 +89,46 @@ def test_a_host_where_two_root_causes_struck_is_avoided():
     assert hosts_to_avoid(history) == set()
     history.append(Attempt(2, ("b", "c"), failure(host="b")))
     assert hosts_to_avoid(history) == {"b"}
+
+
+# -- preemptions -------------------------------------------------------------------------------
+
+PREEMPTED = "node 1 (host b): rank 1 got SIGTERM"
+
+
+def preempted(number: int) -> Attempt:
+    return Attempt(number, ("a", "b"), preempted=PREEMPTED)
+
+
+def test_a_preempted_attempt_says_so_and_has_no_root_cause():
+    state = RunState(2, 2, Deadlines(60.0), 0.0)
+    state.handle(NodeHello(0, "a"), 1.0)
+    state.handle(NodeHello(1, "b"), 1.0)
+    state.handle(PreemptionNotice(PREEMPTED), 2.0)
+    state.handle(RankFailed(0), 3.0)  # a peer lost during the drain: its consequence
+    attempt = attempt_of(state, 0, failure(rank=0))
+    assert attempt == Attempt(0, ("a", "b"), preempted=PREEMPTED)
+    assert attempt.summary() == f"attempt 0 (on a, b) was preempted: {PREEMPTED}"
+    assert pickle.loads(pickle.dumps(attempt)) == attempt
+
+
+def test_preemptions_do_not_use_max_restarts():
+    history = [preempted(0), preempted(1), Attempt(2, ("a", "b"), failure())]
+    assert failed_attempts(history) == 1
+    assert final_error(history, failed(failure()), max_restarts=1) is None
+    error = final_error(history, failed(failure()), max_restarts=0)
+    assert error is not None and f"attempt 0 (on a, b) was preempted: {PREEMPTED}" in str(error)
+    assert error.attempts == ()  # earlier root causes: a preemption has none
+
+
+def test_preemptions_in_a_row_end_the_run_at_the_documented_bound():
+    assert PREEMPTIONS_IN_A_ROW == 3
+    history = [preempted(n) for n in range(PREEMPTIONS_IN_A_ROW - 1)]
+    assert preemption_error(history) is None
+    broken = [*history[:1], Attempt(1, ("a",), failure()), preempted(2)]
+    assert preemption_error(broken) is None  # not in a row
+    history.append(preempted(PREEMPTIONS_IN_A_ROW - 1))
+    error = preemption_error(history)
+    assert isinstance(error, ClusterError)
+    assert str(error).startswith("the run was preempted 3 times in a row")
+    assert str(error).count("was preempted: node 1 (host b)") == 3

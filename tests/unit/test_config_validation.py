@@ -91,6 +91,8 @@ CASES = [
     ({"timeout_s": -1}, ConfigError, ["timeout_s", "-1"]),
     ({"start_timeout_s": None}, ConfigTypeError, ["start_timeout_s", "None"]),
     ({"heartbeat_timeout_s": float("inf")}, ConfigError, ["heartbeat_timeout_s", "inf"]),
+    ({"preemption_grace_s": 0}, ConfigError, ["preemption_grace_s", "seconds", "0"]),
+    ({"preemption_grace_s": None}, ConfigTypeError, ["preemption_grace_s", "None"]),
     ({"max_restarts": 1.5}, ConfigTypeError, ["max_restarts must be a whole number", "1.5"]),
     ({"max_restarts": -1}, ConfigError, ["max_restarts must be a whole number >= 0, got -1"]),
     ({"local_mode": "yes"}, ConfigTypeError, ["local_mode must be True or False", "'yes'"]),

@@ -86,6 +86,7 @@ EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_restarts": (2, {}),
     "checkpoint_dir": ("/shared/checkpoints", {}),
     "heartbeat_timeout_s": (9.0, {}),
+    "preemption_grace_s": (12.0, {}),
     "mlflow": (True, {}),
     "requirements": (["numpy", "pandas==2.2.0"], {}),
     "job_size_warn_mb": (5.0, {}),

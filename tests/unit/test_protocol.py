@@ -87,6 +87,8 @@ MESSAGES: dict[type, st.SearchStrategy] = {
         env=st.dictionaries(st.sampled_from(sorted(RENDEZVOUS_ENV_VARS)), text),
     ),
     protocol.Abort: st.builds(protocol.Abort, reason=text),
+    protocol.Preempted: st.builds(protocol.Preempted, why=text),
+    protocol.Drain: st.builds(protocol.Drain, reason=text, grace_s=finite),
     protocol.ClientHello: st.builds(
         protocol.ClientHello, version=st.integers(0, 1 << 16), nonce=hexes
     ),
@@ -242,6 +244,8 @@ ROUTES = [
     (b'{"t": "c_proof", "mac": "' + b"a" * 64 + b'"}', Route.TO_DRIVER),
     (b'{"t": "beat", "rank": 0}', Route.TO_DRIVER),  # the worker's pipe only
     (b'{"t": "sample", "node": 0, "time": 1}', Route.WORKER),  # the agent's own
+    (b'{"t": "drain", "reason": "x", "grace_s": 2}', Route.TO_DRIVER),  # the driver's word
+    (b'{"t": "preempted", "why": "x"}', Route.TO_AGENT),  # a notice goes up, never down
 ]
 
 
@@ -290,6 +294,19 @@ def test_long_lines_travel_as_chunks_and_long_reasons_are_cut():
     abort = protocol.Abort("z" * (3 * MAX_REASON_CHARS))
     assert len(abort.reason) == MAX_REASON_CHARS and abort.reason.endswith("(cut)")
     assert decode(encode(abort)) == abort
+
+
+def test_preemption_travels_up_as_a_notice_and_down_as_a_drain():
+    notice = protocol.Preempted("rank 1 got SIGTERM")
+    assert decode(encode(notice, Route.WORKER), Route.TO_DRIVER) == notice
+    drain = protocol.Drain("the driver got SIGTERM", 25.0)
+    assert decode(encode(drain, Route.TO_AGENT), Route.WORKER) == drain
+    assert protocol.to_wire(drain) == {
+        "t": "drain", "reason": "the driver got SIGTERM", "grace_s": 25.0
+    }  # fmt: skip
+    assert len(protocol.Preempted("w" * (2 * MAX_REASON_CHARS)).why) == MAX_REASON_CHARS
+    with pytest.raises(ProtocolError, match="finite"):
+        decode(b'{"t": "drain", "reason": "x", "grace_s": 1e999}')
 
 
 def test_rendezvous_carries_the_allowed_variables():

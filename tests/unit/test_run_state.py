@@ -14,12 +14,14 @@ from sparkdist._core.run_state import (
     CancelRequested,
     CancelStage,
     Deadlines,
+    DrainAll,
     FailureTiming,
     HoldRendezvous,
     NodeDone,
     NodeHello,
     NodeLost,
     NodeRefused,
+    PreemptionNotice,
     RankFailed,
     RankJoined,
     ReleaseRendezvous,
@@ -275,6 +277,78 @@ def test_spark_saying_the_executor_was_lost_is_passed_on():
     assert spark_view(text).startswith(
         "Spark saw its executor lost too (ExecutorLostFailure (executor 2 exited"
     )
+
+
+# -- preemption --------------------------------------------------------------------------------
+
+
+def drained(grace_s: float = 25.0) -> RunState:
+    state = RunState(4, 2, Deadlines(60.0, None, 30.0, preemption_grace_s=grace_s), T0)
+    started(state)
+    return state
+
+
+def test_a_preemption_notice_drains_every_node_once_and_stops_nothing_yet():
+    state = drained()
+    why = "node 1 (host host1): rank 3 got SIGTERM"
+    assert state.handle(PreemptionNotice(why), T0 + 5) == [DrainAll(why, 25.0)]
+    assert state.preempted == why and not state.aborted and state.was_preempted
+    assert state.next_wakeup() == T0 + 30  # the grace's end
+    # Another node's notice, or the driver's own, adds nothing: one drain per attempt.
+    assert state.handle(PreemptionNotice("the driver got SIGTERM"), T0 + 6) == []
+    assert state.preempted == why
+
+
+def test_ranks_still_running_at_the_end_of_the_grace_are_stopped():
+    state = drained(grace_s=2.0)
+    state.handle(PreemptionNotice("node 0 (host host0): rank 1 got SIGTERM"), T0 + 5)
+    assert state.handle(Tick(), T0 + 6.9) == []
+    decisions = state.handle(Tick(), T0 + 7)
+    assert state.stop_cause is StopCause.PREEMPTED and len(decisions) == 1
+    assert isinstance(decisions[0], AbortAll)
+    assert "preemption_grace_s=2" in decisions[0].reason and "should_stop()" in decisions[0].reason
+    assert state.was_preempted  # stopped at the grace: still a preemption, not a failure
+
+
+def test_the_grace_is_read_at_its_deadline_so_a_late_setting_counts():
+    state = drained(grace_s=25.0)
+    state.handle(PreemptionNotice("the driver got SIGTERM"), T0 + 5)
+    state.deadlines = Deadlines(60.0, None, 30.0, preemption_grace_s=2.0)
+    assert state.next_wakeup() == T0 + 7
+
+
+def test_ranks_that_all_returned_end_the_drain_without_a_stop():
+    state = drained(grace_s=2.0)
+    state.handle(PreemptionNotice("node 0 (host host0) got SIGHUP"), T0 + 5)
+    state.handle(AgentsEnded(), T0 + 6)
+    assert state.handle(Tick(), T0 + 60) == [] and state.stop_cause is None
+    assert state.was_preempted and state.next_wakeup() is None
+
+
+@pytest.mark.parametrize(
+    "first", [RankFailed(2), CancelRequested("Ctrl-C"), NodeLost(1)], ids=lambda e: type(e).__name__
+)
+def test_a_notice_after_the_attempt_began_to_end_changes_nothing(first):
+    state = drained()
+    state.handle(first, T0 + 2)
+    assert state.handle(PreemptionNotice("node 0 (host host0): rank 0 got SIGTERM"), T0 + 3) == []
+    assert not state.preempted and not state.was_preempted
+
+
+@pytest.mark.parametrize(
+    ("then", "preempted"),
+    [
+        (RankFailed(2), True),  # a peer gone mid-collective during the drain: still preempted
+        (NodeLost(1), True),  # the preempted host went (its SIGKILL came)
+        (CancelRequested("Ctrl-C"), False),  # the caller's stop outranks it
+    ],
+    ids=lambda x: type(x).__name__ if not isinstance(x, bool) else str(x),
+)
+def test_what_ends_a_drain_decides_whether_the_attempt_was_preempted(then, preempted):
+    state = drained()
+    state.handle(PreemptionNotice("node 1 (host host1): rank 3 got SIGTERM"), T0 + 2)
+    state.handle(then, T0 + 3)
+    assert state.was_preempted is preempted
 
 
 # -- root cause --------------------------------------------------------------------------------
