@@ -30,6 +30,7 @@ from sparkdist._doctor.spark import (
     SparkProbe,
     check_gpu_conf,
     check_java,
+    check_preemption_conf,
     check_pyspark,
     find_java,
     java_version_text,
@@ -119,6 +120,9 @@ def run_checks(
         conf_check = _timed(
             tell, "spark gpu conf", lambda: check_gpu_conf(conf, where, gpus_here=bool(gpus))
         )
+        preemption_check = _timed(
+            tell, "spark preemption conf", lambda: check_preemption_conf(conf, where)
+        )
         optional = [
             _timed(
                 tell,
@@ -188,6 +192,7 @@ def run_checks(
         torch_check,
         gpus_check,
         conf_check,
+        preemption_check,
         *optional,
     ]
 

@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Mapping
 
-from sparkdist._core.config import LaunchConfig
+from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S, LaunchConfig
 from sparkdist._core.errors import ClusterError, ConfigError
 from sparkdist._core.placement import (
     TASK_GPU_KEY,
@@ -296,6 +296,48 @@ def check_gpu_conf(conf: Mapping[str, str], where: str, *, gpus_here: bool) -> C
     if notes:
         return Check(name, Status.NOTE, detail, "; ".join(notes))
     return Check(name, Status.OK, detail)
+
+
+#: Spark's wait, once it lost an executor, before it kills the other tasks of a barrier stage.
+KILL_TIMEOUT_KEY = "spark.python.task.killTimeout"
+_SPARK_TIME = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|min|h)?\s*$")
+_SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+def spark_seconds(text: str, default_unit: str = "s") -> float | None:
+    """A Spark time conf value ("2s", "500ms", "1min", "30") in seconds; None if unreadable."""
+    match = _SPARK_TIME.match(text)
+    if match is None:
+        return None
+    return float(match.group(1)) * _SECONDS_PER[match.group(2) or default_unit]
+
+
+def check_preemption_conf(conf: Mapping[str, str], where: str) -> Check:
+    """Whether a preempted executor's drain has time on the other hosts (pure).
+
+    When one executor of a barrier stage is lost (its JVM got SIGTERM), Spark kills the stage's
+    other tasks after ``spark.python.task.killTimeout`` (2 s by default): their ranks die before
+    the drain's checkpoint unless that is at least ``preemption_grace_s``.
+    """
+    name = "spark preemption conf"
+    text = conf.get(KILL_TIMEOUT_KEY, "").strip() or "2s"
+    seconds = spark_seconds(text)
+    wanted = f"{DEFAULT_PREEMPTION_GRACE_S:g}s"
+    fix = (
+        f"set {KILL_TIMEOUT_KEY}={wanted} (at least preemption_grace_s), so the other hosts' "
+        "ranks finish the drain's checkpoint when one executor is preempted"
+    )
+    if seconds is None:
+        return Check(name, Status.NOTE, f"{where}: {KILL_TIMEOUT_KEY}={text} is unreadable", fix)
+    if seconds < DEFAULT_PREEMPTION_GRACE_S:
+        return Check(
+            name,
+            Status.NOTE,
+            f"{where}: {KILL_TIMEOUT_KEY}={text}: a preempted executor's peers are killed "
+            f"{seconds:g} s after it is lost",
+            fix,
+        )
+    return Check(name, Status.OK, f"{where}: {KILL_TIMEOUT_KEY}={text}")
 
 
 def _whole(amount: str) -> int:

@@ -22,6 +22,7 @@ CHECKS = (
     "torch",
     "gpus",
     "spark gpu conf",
+    "spark preemption conf",
     "deepspeed",
     "mlflow",
 )

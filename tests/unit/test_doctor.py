@@ -13,9 +13,11 @@ from sparkdist._doctor.checks import TorchInfo, check_gpus, check_optional, chec
 from sparkdist._doctor.spark import (
     check_gpu_conf,
     check_java,
+    check_preemption_conf,
     find_java,
     java_major,
     judge_probe,
+    spark_seconds,
     version_line,
 )
 from sparkdist._doctor.table import Check, Status, format_checks, has_problem
@@ -241,3 +243,31 @@ def test_spark_defaults_path_follows_spark_conf_dir(tmp_path):
     (home / "conf" / "spark-defaults.conf").write_text("")
     assert spark_defaults_path({"SPARK_HOME": str(home)}) == home / "conf" / "spark-defaults.conf"
     assert os.path.isabs(str(spark_defaults_path({"SPARK_HOME": str(home)})))
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("2s", 2.0), ("500ms", 0.5), ("1min", 60.0), ("2m", 120.0), ("30", 30.0), ("x", None)],
+)
+def test_spark_time_values_read_as_seconds(text, seconds):
+    assert spark_seconds(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("conf", "status", "words"),
+    [
+        ({}, Status.NOTE, ["spark.python.task.killTimeout=2s", "killed 2 s after"]),
+        ({"spark.python.task.killTimeout": "10s"}, Status.NOTE, ["killed 10 s after"]),
+        ({"spark.python.task.killTimeout": "30s"}, Status.OK, ["killTimeout=30s"]),
+        ({"spark.python.task.killTimeout": "soon"}, Status.NOTE, ["soon is unreadable"]),
+    ],
+)
+def test_the_preemption_conf_note_says_when_a_drain_has_no_time_on_the_other_hosts(
+    conf, status, words
+):
+    check = check_preemption_conf(conf, "test.conf")
+    assert check.status is status, check
+    for word in words:
+        assert word in check.detail, check.detail
+    if status is Status.NOTE:
+        assert "spark.python.task.killTimeout=25s" in check.fix
