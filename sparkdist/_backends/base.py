@@ -130,9 +130,14 @@ class Backend(Protocol):
         ...
 
     def start(
-        self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]
+        self,
+        template: AgentSpec,
+        placement: Placement,
+        on_done: Callable[[], None],
+        on_decommission: Callable[[str], None],
     ) -> RunningAgents:
-        """Start the agents of one attempt."""
+        """Start the agents of one attempt; ``on_decommission(host)`` is called when the
+        cluster says it is taking a host back (Spark's decommissioning), where it can say."""
         ...
 
     def avoid_hosts(self, hosts: set[str]) -> None:

@@ -80,8 +80,13 @@ class LocalBackend:
         return self._python_path.get("PYTHONPATH", "").split(os.pathsep)
 
     def start(
-        self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]
+        self,
+        template: AgentSpec,
+        placement: Placement,
+        on_done: Callable[[], None],
+        on_decommission: Callable[[str], None],
     ) -> RunningAgents:
+        """One agent on a driver thread; nothing decommissions the driver's own machine."""
         agent = Agent(template)
         return RunningAgents(
             f"sparkdist-run-{template.run_id}",

@@ -17,6 +17,7 @@ from typing import Any
 
 from sparkdist._backends import capacity, spark_driver
 from sparkdist._backends.base import RunningAgents
+from sparkdist._backends.decommission import DECOMMISSION_KEY, DecommissionWatch
 from sparkdist._backends.stage import BarrierStage
 from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import CONTROL_CHANNEL_VAR
@@ -59,6 +60,7 @@ class SparkBackend:
         # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
         self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
         self._given_up = 0  # executors ``avoid_hosts`` gave up, to ask back at the end
+        self._watches_decommission = False  # spark.decommission.enabled, read by ``place``
 
     def place(self, config: LaunchConfig) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
@@ -73,6 +75,11 @@ class SparkBackend:
             fewest=_fewest_tasks(config, placement),
         )
         self.driver_host = spark_driver.driver_host(self.session, conf)
+        # Connect reaches no scheduler: its decommissioned executors' Python workers are
+        # shut down in the end, which the agents hear (SIGHUP) as a notice.
+        self._watches_decommission = self.kind is BackendKind.SPARK and _is_true(
+            spark_driver.spark_conf(self.session, (DECOMMISSION_KEY,)).get(DECOMMISSION_KEY)
+        )
         return _shrunk(config, placement, found)
 
     def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
@@ -102,15 +109,32 @@ class SparkBackend:
         return ()
 
     def start(
-        self, template: AgentSpec, placement: Placement, on_done: Callable[[], None]
+        self,
+        template: AgentSpec,
+        placement: Placement,
+        on_done: Callable[[], None],
+        on_decommission: Callable[[str], None],
     ) -> RunningAgents:
         stage = BarrierStage(
             self.session, template, placement.num_tasks, placement.use_gpu, self.dataframe
         )
+        watch = (
+            DecommissionWatch(
+                self.session, on_decommission, f"sparkdist-decommission-{template.run_id}"
+            )
+            if self._watches_decommission
+            else None
+        )
+
+        def done() -> None:
+            if watch is not None:
+                watch.stop()
+            on_done()
+
         return RunningAgents(
             f"sparkdist-run-{template.run_id}",
             lambda: [loads(row) for row in stage.collect()],
-            on_done,
+            done,
             cancel=stage.cancel,
             goodbye_before_cancel=True,
         )
@@ -179,6 +203,10 @@ def _shrunk(config: LaunchConfig, full: Placement, slots: int) -> Placement:
             config.smallest_world,
         )
     return placement
+
+
+def _is_true(value: str | None) -> bool:
+    return (value or "").strip().lower() == "true"
 
 
 def _warn_once(message: str) -> None:

@@ -160,10 +160,17 @@ class Launch:
             with monitor.changed:
                 monitor.changed.notify_all()
 
+        def decommissioning(host: str) -> None:
+            with monitor.changed:  # the nodes' hosts change on the channel's thread
+                nodes = sorted(n for n, h in monitor.node_hosts.items() if h == host)
+            if nodes:
+                monitor.preempt(
+                    f"node {nodes[0]} (host {host}): Spark is decommissioning its executor"
+                )
+
         try:
-            self._attempt = _Attempt(
-                monitor, server, self._backend.start(template, placement, wake), placement
-            )
+            agents = self._backend.start(template, placement, wake, decommissioning)
+            self._attempt = _Attempt(monitor, server, agents, placement)
         except BaseException:
             server.close()
             raise

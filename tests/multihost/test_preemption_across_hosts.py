@@ -197,3 +197,56 @@ def test_sigterm_to_one_hosts_executor_jvm(
             lab_driver.check("spark.stop()")
             lab.signal(lab_driver.pid, 9)
         lab_cluster.restart_host(victim)
+
+
+def test_spark_decommissioning_an_executor_drains_the_run_like_a_sigterm(
+    lab_cluster: LabCluster, shared: Path
+) -> None:
+    # SIGPWR is how a standalone Worker or executor is told to decommission. Spark marks the
+    # executor on the driver at once, but its running Python task hears nothing: the driver
+    # watches the scheduler and drains the run itself.
+    lab = lab_cluster.lab
+    driver = _second_driver(
+        lab_cluster,
+        {"spark.decommission.enabled": "true", "spark.python.task.killTimeout": "30s"},
+    )
+    try:
+        code = RUN.replace("__SHARED__", repr(str(shared))).replace("__STEPS__", "2000")
+        driver.check(
+            code.replace("__SAVE_AFTER_S__", "0.0").replace("__CKPT__", repr(str(shared / "ckpt")))
+        )
+        deadline = time.monotonic() + 120
+        while not all((shared / f"joined-0-{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline, "the ranks never met"
+            time.sleep(0.05)
+        by_name = {h.hostname: h.name for h in lab.hosts.values()}
+        victim = by_name[_read(shared / "joined-0-1")["host"]]
+        app = str(driver.check("result = spark.sparkContext.applicationId"))
+        jvm = next(
+            p
+            for p in lab.processes(victim)
+            if any("CoarseGrainedExecutorBackend" in a for a in p["argv"]) and app in p["argv"]
+        )
+        time.sleep(1.0)  # some steps in
+        struck = time.time()
+        lab.signal(jvm["pid"], 30)  # SIGPWR: decommission
+        deadline = time.monotonic() + 120
+        while not (ended := driver.check("result = ended if 'at' in ended else None")):
+            assert time.monotonic() < deadline, "the decommissioned run never ended"
+            time.sleep(0.1)
+        saved = {p.name: _read(p) for p in shared.glob("saved-0-*")}
+        print(f"\nSIGPWR to {victim}'s executor: saved {saved}, ended {ended['at'] - struck:.2f} s")
+        assert "values" in ended, ended
+        address = lab.hosts[victim].address
+        assert ended["attempts"][0].endswith(
+            f"(host {address}): Spark is decommissioning its executor"
+        ), ended
+        steps = {fields["step"] for fields in saved.values()}
+        assert len(saved) == 2 and len(steps) == 1, saved  # both ranks, the same step
+        assert max(f["time"] for f in saved.values()) - struck < 5.0, saved  # within a beat
+        assert ended["values"] == [["done", *steps, 1]] * 2, ended  # resumed at that step
+        assert address not in ended["attempts"][1], ended  # not back on the leaving host
+    finally:
+        driver.check("spark.stop()")
+        lab.signal(driver.pid, 9)
+        lab_cluster.restart_host(victim)
