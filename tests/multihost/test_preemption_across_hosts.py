@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,12 +102,37 @@ def _second_driver(cluster: LabCluster, conf: dict[str, str]) -> DriverKernel:
     return driver
 
 
+@pytest.fixture(scope="module")
+def patient_driver(lab_cluster: LabCluster) -> Iterator[DriverKernel]:
+    """A second application whose barrier stages outlive a lost executor for 30 s
+    (``spark.python.task.killTimeout``) and whose executors can be decommissioned."""
+    driver = _second_driver(
+        lab_cluster,
+        {"spark.decommission.enabled": "true", "spark.python.task.killTimeout": "30s"},
+    )
+    yield driver
+    driver.check("spark.stop()")
+    lab_cluster.lab.signal(driver.pid, 9)
+
+
+def _with_executors(driver: DriverKernel, count: int = 3, timeout_s: float = 90.0) -> None:
+    """Wait until the application has its executors back (a test restarted a host)."""
+    deadline = time.monotonic() + timeout_s
+    while (
+        driver.check("result = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1")
+        < count
+    ):
+        assert time.monotonic() < deadline, "the application got its executors not back"
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize(
     ("save_after_s", "kill_timeout"),
     [(0.0, None), (5.0, None), (5.0, "30s")],
     ids=["save-at-once", "save-5s", "save-5s-killTimeout-30s"],
 )
 def test_sigterm_to_one_hosts_executor_jvm(
+    request: pytest.FixtureRequest,
     lab_cluster: LabCluster,
     lab_driver: DriverKernel,
     shared: Path,
@@ -115,7 +141,8 @@ def test_sigterm_to_one_hosts_executor_jvm(
 ) -> None:
     lab = lab_cluster.lab
     if kill_timeout is not None:
-        lab_driver = _second_driver(lab_cluster, {"spark.python.task.killTimeout": kill_timeout})
+        lab_driver = request.getfixturevalue("patient_driver")
+        _with_executors(lab_driver)
     code = RUN.replace("__SHARED__", repr(str(shared))).replace("__STEPS__", "2000")
     code = code.replace("__SAVE_AFTER_S__", repr(save_after_s))
     lab_driver.check(code.replace("__CKPT__", repr(str(shared / "ckpt"))))
@@ -193,23 +220,18 @@ def test_sigterm_to_one_hosts_executor_jvm(
             assert len(saved) == 2 and len(steps) == 1, saved
             assert ended["values"] == [["done", *steps, 1]] * 2, ended
     finally:
-        if kill_timeout is not None:
-            lab_driver.check("spark.stop()")
-            lab.signal(lab_driver.pid, 9)
         lab_cluster.restart_host(victim)
 
 
 def test_spark_decommissioning_an_executor_drains_the_run_like_a_sigterm(
-    lab_cluster: LabCluster, shared: Path
+    lab_cluster: LabCluster, patient_driver: DriverKernel, shared: Path
 ) -> None:
     # SIGPWR is how a standalone Worker or executor is told to decommission. Spark marks the
     # executor on the driver at once, but its running Python task hears nothing: the driver
     # watches the scheduler and drains the run itself.
     lab = lab_cluster.lab
-    driver = _second_driver(
-        lab_cluster,
-        {"spark.decommission.enabled": "true", "spark.python.task.killTimeout": "30s"},
-    )
+    driver = patient_driver
+    _with_executors(driver)
     try:
         code = RUN.replace("__SHARED__", repr(str(shared))).replace("__STEPS__", "2000")
         driver.check(
@@ -247,6 +269,4 @@ def test_spark_decommissioning_an_executor_drains_the_run_like_a_sigterm(
         assert ended["values"] == [["done", *steps, 1]] * 2, ended  # resumed at that step
         assert address not in ended["attempts"][1], ended  # not back on the leaving host
     finally:
-        driver.check("spark.stop()")
-        lab.signal(driver.pid, 9)
         lab_cluster.restart_host(victim)
