@@ -475,7 +475,7 @@ def checkpoint_dir() -> str | None:
 
 
 def save_checkpoint(
-    state: dict[str, Any], step: int, *, async_: bool = False, keep_last: int | None = None
+    state: Any, step: int, *, async_: bool = False, keep_last: int | None = None
 ) -> str:
     """Save ``state`` as the checkpoint of ``step``: every rank writes its own shards.
 
@@ -496,13 +496,24 @@ def save_checkpoint(
     strings and plain containers so that ``load_checkpoint`` reads it without
     ``weights_only=False``.
 
+    DeepSpeed (``mode="deepspeed"``): pass the ``deepspeed.DeepSpeedEngine`` itself, or a dict
+    holding the engine and your own entries (``{"engine": engine, "epoch": 3}``: DeepSpeed's
+    ``client_state``, every rank holding the same). Every rank calls
+    ``engine.save_checkpoint(<checkpoint_dir>, tag="step-<9 digits>")``, so the step directory
+    holds DeepSpeed's own files (``zero_to_fp32.py`` reads it, given ``--tag step-<9 digits>``);
+    DeepSpeed's ``latest`` file is not written. Then the same rule: made 0600/0700 and
+    fsynced, and the marker (format "deepspeed", world sizes, ZeRO stage) written last by
+    global rank 0; ``keep_last`` as above. ``async_`` is for state dicts only.
+
     Example:
         >>> state = {"model": model.state_dict(), "optim": optim.state_dict()}  # doctest: +SKIP
         >>> runtime.save_checkpoint(state, step, async_=True, keep_last=3)  # doctest: +SKIP
+        >>> runtime.save_checkpoint({"engine": engine, "epoch": 3}, step)  # doctest: +SKIP
 
     Args:
         state: what to save, a dict with str keys (values with ``state_dict()``, such as a
-            module, are saved as their state dict).
+            module, are saved as their state dict); or a DeepSpeed engine, alone or as one
+            value of such a dict (the other values are its client state).
         step: the step it was taken after, 0 to 999999999.
         async_: return once the state is copied to host memory and write it while training
             goes on; its marker is written when the write finishes. The next
@@ -522,8 +533,11 @@ def save_checkpoint(
         RuntimeError: no ``checkpoint_dir``; a writing rank failed (the message names it and
             its error); or something sparkdist did not write is in the way of the step's
             directory.
-        TypeError: ``state`` is not a dict with str keys, or ``step`` is not an int.
-        ValueError: ``step`` or ``keep_last`` out of range.
+        TypeError: ``state`` is not a dict with str keys, holds more than one DeepSpeed
+            engine, or ``step`` is not an int.
+        ValueError: ``step`` or ``keep_last`` out of range; with an engine, ``async_=True``,
+            a client state key DeepSpeed uses itself, or a decoupled DeepSpeed checkpoint
+            engine.
     """
     return _checkpoints.save(
         state, step, writer=is_main_process(), async_=async_, keep_last=keep_last
@@ -531,7 +545,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    into: dict[str, Any] | None = None, *, map_location: Any = "cpu", weights_only: bool = True
+    into: Any = None, *, map_location: Any = "cpu", weights_only: bool = True
 ) -> Checkpoint | None:
     """The latest committed, readable checkpoint of this run's ``checkpoint_dir``, or None.
 
@@ -559,6 +573,18 @@ def load_checkpoint(
     the directory. Allowing just your classes, with ``torch.serialization.add_safe_globals``,
     keeps the protection on.
 
+    DeepSpeed: pass the engine (or the dict of the engine and client-state keys it was saved
+    with) as ``into``; every rank calls it. The newest committed checkpoint must be DeepSpeed's
+    (one saved from state dicts is refused, and a DeepSpeed one given to a state dict too), and
+    ``engine.load_checkpoint`` loads it with its optimizer and scheduler state; the client
+    state fills the dict's other keys, and ``Checkpoint.state`` is ``into``. At another world
+    size (ZeRO stage 1 to 3), global rank 0 first converts it, once, to DeepSpeed's universal
+    checkpoint (``step-<9 digits>.universal/`` beside it) and the engine loads that, resharded;
+    what DeepSpeed cannot load (another ZeRO stage, tensor or pipeline parallelism at another
+    size) is refused before the engine is touched, saying what would load it. With
+    ``weights_only``, DeepSpeed's files may hold its own data classes too (its loss scaler, its
+    ZeRO stage), nothing else.
+
     Example:
         >>> from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         >>> model_state, optim_state = get_state_dict(model, optim)  # doctest: +SKIP
@@ -568,9 +594,11 @@ def load_checkpoint(
         ...     set_state_dict(model, optim, model_state_dict=state["model"],
         ...                    optim_state_dict=state["optim"])
         >>> start = 0 if latest is None else latest.step  # doctest: +SKIP
+        >>> latest = runtime.load_checkpoint({"engine": engine, "epoch": 0})  # doctest: +SKIP
 
     Args:
-        into: the state dict to load into, in place; None to read the whole state. A str,
+        into: the state dict to load into, in place; None to read the whole state; a
+            DeepSpeed engine, alone or in a dict with its client-state keys. A str,
             ``torch.device`` or callable here is taken as ``map_location`` (the first
             parameter of earlier versions).
         map_location: as for ``torch.load``; with ``into``, for the saved objects that are not
@@ -580,8 +608,10 @@ def load_checkpoint(
     Raises:
         pickle.UnpicklingError: with ``weights_only=True``, the newest readable checkpoint
             holds other objects; the message names them and the ways to load it.
-        RuntimeError: no ``checkpoint_dir``; checkpoints are there but none can be read; or
-            an asynchronous save failed (naming its step).
-        TypeError: ``into`` is neither a dict nor a ``map_location``.
+        RuntimeError: no ``checkpoint_dir``; checkpoints are there but none can be read; an
+            asynchronous save failed (naming its step); or the newest checkpoint is of the
+            other format (DeepSpeed's, state dicts'), or cannot load into this engine.
+        TypeError: ``into`` is neither a dict, an engine nor a ``map_location``; or
+            ``map_location`` with an engine.
     """
     return _checkpoints.load(into, map_location=map_location, weights_only=weights_only)

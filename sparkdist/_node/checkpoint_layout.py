@@ -7,11 +7,19 @@ Layout::
         __0_0.distcp  __1_0.distcp ...   each rank's shards, 0600
         .metadata                        DCP's index of the shards
         COMMITTED                        written last: {"format": "dcp", "step": 120, ...}
+    <checkpoint_dir>/step-000000130/     or DeepSpeed's format (``engine.save_checkpoint`` with
+        mp_rank_00_model_states.pt       tag step-000000130): its files as DeepSpeed names them,
+        zero_pp_rank_0_mp_rank_00_...    0600 once committed
+        COMMITTED                        written last: {"format": "deepspeed", ...}
+    <checkpoint_dir>/step-000000130.universal/   DeepSpeed's universal checkpoint converted
+                                         from it, made by a load at another world size
+    <checkpoint_dir>/zero_to_fp32.py     DeepSpeed's recovery scripts (it writes them there)
     <checkpoint_dir>/step-000000100.pt   a single-file checkpoint of earlier versions: read,
                                          never written nor removed
 
 A step directory counts only with its marker. Nothing is removed that does not match these
-names (a step directory holding anything else is left, and named).
+names (a step directory holding anything else is left, and named); a universal conversion is
+removed with its step.
 
 Non-goals: what the shards hold and how they are written (``checkpoint_io``).
 """
@@ -23,11 +31,14 @@ import json
 import logging
 import os
 import re
+import shutil
+import stat
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from sparkdist._core.files import (
     PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
     fsync_directory,
     make_private_dirs,
     replace_atomically,
@@ -36,16 +47,22 @@ from sparkdist._core.files import (
 logger = logging.getLogger("sparkdist")
 
 MARKER = "COMMITTED"
-#: The formats this version reads (the marker's "format"; a DeepSpeed reader would join them);
-#: it writes "dcp".
-READABLE_FORMATS = ("dcp",)
+#: The formats this version reads and writes (the marker's "format"): DCP's from state dicts,
+#: DeepSpeed's own from an engine (``checkpoint_deepspeed``); each loads only its own.
+READABLE_FORMATS = ("dcp", "deepspeed")
 MAX_STEP = 10**9 - 1  # nine digits in the names
 
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 _LEGACY_FILE = re.compile(r"^step-(\d{9})\.pt$")
-#: What a step directory holds that sparkdist (through DCP) wrote: nothing else is removed.
+#: A universal conversion of a DeepSpeed checkpoint, or one being made (``.tmp``).
+_UNIVERSAL_DIR = re.compile(r"^\.?step-(\d{9})\.universal(\.tmp)?$")
+#: What a step directory holds that sparkdist (through DCP or DeepSpeed) wrote: nothing else is
+#: removed. DeepSpeed's names: model and ZeRO states per rank, MoE experts, pipeline layers.
 _OWN_FILE = re.compile(
-    r"^(COMMITTED|\.COMMITTED\..*\.tmp|\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?))$"
+    r"^(COMMITTED|\.COMMITTED\..*\.tmp|\.metadata(\.tmp)?|__\d+(_\d+\.distcp|\.metadata(\.tmp)?)"
+    r"|((bf16_)?zero_pp_rank_\d+_)?mp_rank_\d+_(model|optim)_states\.pt"
+    r"|expp_rank_\d+_mp_rank_\d+_optim_states\.pt|(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt"
+    r"|layer_\d+-model_\d+-model_states\.pt)$"
 )
 
 
@@ -64,6 +81,11 @@ class Candidate:
 
 def step_name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def universal_name(step: int) -> str:
+    """The directory beside step ``step``'s that holds its universal conversion (DeepSpeed)."""
+    return f"{step_name(step)}.universal"
 
 
 # -- writing (global rank 0) -------------------------------------------------------------------
@@ -99,7 +121,8 @@ def prepare(directory: str, step: int) -> tuple[str, str]:
 
 def commit(directory: str, written_to: str, final: str, marker: dict[str, Any]) -> None:
     """Once every rank's shards are on disk: the marker, last and atomically (fsync, rename,
-    fsync of the directory); a checkpoint it replaces swapped out, then removed.
+    fsync of the directory); a checkpoint it replaces swapped out, then removed, and with it
+    any universal conversion of that step.
 
     Between the two renames of a replacement no directory of that step exists (the older
     checkpoints still do); the new one is complete and committed before the first.
@@ -118,6 +141,31 @@ def commit(directory: str, written_to: str, final: str, marker: dict[str, Any]) 
         fsync_directory(directory)
         _remove(aside)
     fsync_directory(directory)  # the step directory's own entry
+    # A universal conversion of this step is of a checkpoint it replaced (or its leftover).
+    remove_tree(os.path.join(directory, universal_name(int(marker["step"]))))
+
+
+def seal(path: str) -> None:
+    """Make a tree that another writer filled (DeepSpeed, which writes with the umask) private
+    and durable before it is committed: files 0600 (0700 where the owner may run them),
+    directories 0700, every file and directory fsynced. Links are left alone."""
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            file = os.path.join(root, name)
+            if os.path.islink(file):
+                continue
+            executable = os.lstat(file).st_mode & stat.S_IXUSR
+            os.chmod(file, PRIVATE_DIR_MODE if executable else PRIVATE_FILE_MODE)
+            fd = os.open(file, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                os.chmod(os.path.join(root, name), PRIVATE_DIR_MODE)
+        fsync_directory(root)
+    os.chmod(path, PRIVATE_DIR_MODE)
 
 
 def retain(directory: str, keep_last: int, written: int) -> None:
@@ -133,6 +181,10 @@ def retain(directory: str, keep_last: int, written: int) -> None:
         if step in keep or (not done and (newest is None or step > newest)):
             continue
         _remove(path)
+    for name in os.listdir(directory):  # universal conversions of the steps removed
+        match = _UNIVERSAL_DIR.match(name)
+        if match and int(match.group(1)) not in keep:
+            remove_tree(os.path.join(directory, name))
 
 
 def _dirs(directory: str) -> list[tuple[int, str]]:
@@ -170,6 +222,20 @@ def _remove(path: str) -> None:
         _clear(path)
     except (OSError, RuntimeError) as exc:
         logger.warning("sparkdist: checkpoint %s was not removed: %s", path, exc)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory tree sparkdist made under one of its own names (a universal
+    conversion: DeepSpeed names its files after the model's parameters), if it is there."""
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        logger.warning("sparkdist: %s is not a directory sparkdist made; left as it is", path)
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        logger.warning("sparkdist: %s was not removed: %s", path, exc)
 
 
 # -- reading -----------------------------------------------------------------------------------

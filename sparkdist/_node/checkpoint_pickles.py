@@ -126,6 +126,94 @@ def _metadata_globals() -> dict[str, Any]:
     return found
 
 
+def check_file(path: str) -> None:
+    """Raise ``Refused`` unless the ``torch.save`` file at ``path`` names only globals that
+    ``weights_only=True`` allows: for a file that another reader unpickles in full (DeepSpeed
+    reads its own files with ``weights_only=False``). Strict where ``_refused_globals`` only
+    names: a file that is not torch's zip format, a pickle that does not parse to its end, or
+    a ``STACK_GLOBAL`` whose names are not the strings pushed just before it, is refused too.
+    Reads the archive's pickle only, not its tensors."""
+    import pickletools
+
+    try:
+        with zipfile.ZipFile(path) as archive:  # raises BadZipFile for torch's legacy format
+            [name] = [n for n in archive.namelist() if n.endswith("/data.pkl")]
+            data = archive.read(name)
+    except (zipfile.BadZipFile, ValueError) as exc:
+        raise Refused([f"<not torch's zip format: {exc}>"]) from None
+    names: set[str] = set()
+    memo: dict[int, str | None] = {}
+    recent: list[str | None] = []  # what the ops just before pushed (None: not a string)
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            kind = op.name
+            if kind in ("GLOBAL", "INST"):
+                names.add(str(arg).replace(" ", "."))
+            elif kind == "STACK_GLOBAL":
+                if len(recent) < 2 or recent[-1] is None or recent[-2] is None:
+                    raise Refused(["<STACK_GLOBAL of names computed in the pickle>"])
+                names.add(f"{recent[-2]}.{recent[-1]}")
+            if kind.endswith(_STRING_OPS):
+                recent.append(str(arg))
+            elif kind in ("GET", "BINGET", "LONG_BINGET") and isinstance(arg, int):
+                recent.append(memo.get(arg))
+            elif kind == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif kind in ("PUT", "BINPUT", "LONG_BINPUT") and isinstance(arg, int):
+                memo[arg] = recent[-1] if recent else None
+            else:
+                recent = []  # any other op: the stack's top is no longer known
+    except Refused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a pickle that does not parse is not checked
+        raise Refused([f"<a pickle that does not parse: {exc}>"]) from None
+    refused = sorted(names - _allowed_globals())
+    if refused:
+        raise Refused(refused)
+
+
+def check_tree(path: str) -> None:
+    """``check_file`` of every ``.pt`` file under ``path``, DeepSpeed's data classes allowed;
+    ``pickle.UnpicklingError`` (``refusal``'s message) for the first it refuses."""
+    import torch
+
+    with torch.serialization.safe_globals(deepspeed_data_classes()):
+        for root, _, names in sorted(os.walk(path)):
+            for name in sorted(n for n in names if n.endswith(".pt")):
+                file = os.path.join(root, name)
+                try:
+                    check_file(file)
+                except Refused as exc:
+                    raise pickle.UnpicklingError(refusal(file, exc.names)) from None
+
+
+def deepspeed_data_classes() -> list[Any]:
+    """The classes DeepSpeed's own checkpoint files hold besides tensors and containers (its
+    loss scaler, ZeRO stage, fragment addresses): data, allowed beside torch's list."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class WeightsOnlyReads:
+    """DeepSpeed's torch checkpoint engine with its reads through ``torch.load(weights_only=
+    True)`` (its own use ``weights_only=False``); anything else it does, it does as it was."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        try:
+            return load_torch_file(path, map_location, weights_only=True)
+        except Refused as exc:
+            raise pickle.UnpicklingError(refusal(path, exc.names)) from None
+
+
 def _refused_globals(source: str | IO[bytes]) -> list[str]:
     """The importable names (``module.name``) that the complete pickles of a ``torch.save``
     file or stream use and ``torch.load(weights_only=True)`` does not allow; empty when there

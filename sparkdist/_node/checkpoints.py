@@ -7,10 +7,11 @@ The implementation behind ``sparkdist.runtime``'s ``checkpoint_dir``, ``save_che
 the arguments, and the choice of checkpoint to load (the newest committed one that reads, on
 every rank alike when they load together). The layout, the marker and retention are
 ``checkpoint_layout``'s; writing and reading through DCP ``checkpoint_io``'s; what is unpickled
-``checkpoint_pickles``'; state dicts in memory ``checkpoint_state``'s.
+``checkpoint_pickles``'; state dicts in memory ``checkpoint_state``'s. A DeepSpeed engine
+(alone, or in a dict beside its client state) goes to ``checkpoint_deepspeed``: DeepSpeed's own
+format in the same layout; each format loads only its own (the marker's ``format``).
 
-Non-goals: DeepSpeed's checkpoints (the marker names a ``format`` so that a reader of another
-format can join "dcp"); deciding when to save (the caller).
+Non-goals: deciding when to save (the caller).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._node import checkpoint_io, checkpoint_layout, checkpoint_ranks
+from sparkdist._node import checkpoint_deepspeed, checkpoint_io, checkpoint_layout, checkpoint_ranks
 from sparkdist._node.checkpoint_layout import Candidate, Unreadable
 from sparkdist._node.checkpoint_pickles import Refused, load_torch_file, refusal
 from sparkdist._node.checkpoint_state import fill, layout_notes
@@ -79,6 +80,11 @@ def save(
             "to keep them all"
         )
     directory = _require_checkpoint_dir()  # before the state: this one imports nothing
+    found = checkpoint_deepspeed.find_engine(state)
+    if found is not None:
+        return checkpoint_deepspeed.save(
+            found, state, step, directory, async_=async_, keep_last=keep_last
+        )
     state = _checked_state(state)
     final = os.path.join(directory, checkpoint_layout.step_name(step))
     if not checkpoint_ranks.distributed() and not writer:
@@ -140,7 +146,17 @@ def load(
     """``runtime.load_checkpoint``: the newest readable checkpoint, or None when there is none;
     an unreadable one is skipped with a warning, a refused one raises. Collective with
     ``into`` when a process group is up (rank 0 lists the candidates, the ranks load each
-    together); without it, each rank reads on its own."""
+    together); without it, each rank reads on its own. Into a DeepSpeed engine, DeepSpeed's."""
+    found = checkpoint_deepspeed.find_engine(first)
+    if found is not None:
+        loaded = checkpoint_deepspeed.load(
+            found,
+            first,
+            _require_checkpoint_dir(),
+            map_location=map_location,
+            weights_only=weights_only,
+        )
+        return None if loaded is None else Checkpoint(step=loaded[0], state=first, path=loaded[1])
     into, map_location = _into_and_location(first, map_location)
     checkpoint_io.wait_for_pending_saves()
     directory = _require_checkpoint_dir()
@@ -159,6 +175,8 @@ def load(
             raise pickle.UnpicklingError(refusal(candidate.path, exc.names)) from exc
         except _Gone:
             continue  # removed since it was listed
+        except _WrongFormat as exc:
+            raise RuntimeError(str(exc)) from None
         except Unreadable as exc:
             reason = str(exc)
         else:
@@ -218,13 +236,10 @@ def _read(
         _settled(lambda: fill(into, state), candidate, together)
         return step, into
     marker, metadata = _settled(
-        lambda: (
-            checkpoint_layout.read_marker(candidate),
-            checkpoint_io.read_metadata(candidate.path, weights_only=weights_only),
-        ),
-        candidate,
-        together,
+        lambda: _marker_and_metadata(candidate, weights_only), candidate, together
     )
+    if metadata is None:  # DeepSpeed's: every rank read the same marker
+        raise _WrongFormat(checkpoint_deepspeed.wrong_format(candidate.path, marker["format"]))
     try:  # DCP's own collectives fail on every rank alike
         if into is not None:
             checkpoint_io.read_into(
@@ -272,8 +287,20 @@ def _settled(read: Callable[[], T], candidate: Candidate, together: bool) -> T:
     raise _Gone() if kind == "gone" else Unreadable(detail)
 
 
+def _marker_and_metadata(candidate: Candidate, weights_only: bool) -> tuple[dict[str, Any], Any]:
+    """The candidate's marker and DCP metadata (None for a checkpoint of DeepSpeed's format)."""
+    marker = checkpoint_layout.read_marker(candidate)
+    if marker["format"] == checkpoint_deepspeed.FORMAT:
+        return marker, None
+    return marker, checkpoint_io.read_metadata(candidate.path, weights_only=weights_only)
+
+
 class _Gone(Exception):
     """A checkpoint removed since it was listed."""
+
+
+class _WrongFormat(Exception):
+    """A checkpoint of DeepSpeed's format: refused (the message says why and what loads it)."""
 
 
 def _read_legacy(path: str, map_location: Any, weights_only: bool) -> tuple[int, Any]:

@@ -474,7 +474,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_with_a_warning(
 @pytest.mark.parametrize(
     ("marker", "reason"),
     [
-        ({"format": "deepspeed", "step": 20}, "names format 'deepspeed'"),
+        ({"format": "zarr", "step": 20}, "names format 'zarr'"),
         ({"format": "dcp", "step": 21}, "does not name step 20"),
     ],
 )
