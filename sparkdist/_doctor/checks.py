@@ -121,7 +121,7 @@ def run_checks(
             tell, "spark gpu conf", lambda: check_gpu_conf(conf, where, gpus_here=bool(gpus))
         )
         preemption_check = _timed(
-            tell, "spark preemption conf", lambda: check_preemption_conf(conf, where)
+            tell, "preemption conf", lambda: check_preemption_conf(conf, where)
         )
         optional = [
             _timed(

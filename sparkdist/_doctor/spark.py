@@ -319,7 +319,7 @@ def check_preemption_conf(conf: Mapping[str, str], where: str) -> Check:
     other tasks after ``spark.python.task.killTimeout`` (2 s by default): their ranks die before
     the drain's checkpoint unless that is at least ``preemption_grace_s``.
     """
-    name = "spark preemption conf"
+    name = "preemption conf"
     text = conf.get(KILL_TIMEOUT_KEY, "").strip() or "2s"
     seconds = spark_seconds(text)
     wanted = f"{DEFAULT_PREEMPTION_GRACE_S:g}s"

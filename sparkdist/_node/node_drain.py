@@ -18,6 +18,7 @@ Non-goals: the ranks' side (``drain``); deciding the run's fate (``_core.run_sta
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import signal
 import threading
@@ -100,6 +101,39 @@ class NodeDrain:
         return f"preempted ({self.reason}): ranks still running past the grace were stopped"
 
 
+def _process_stat(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat``'s fields after the command name (state first), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _nearest_jvm() -> tuple[int, str] | None:
+    """This process's nearest ancestor that is a JVM (the executor's, or local mode's
+    driver's), as (pid, start time); None where /proc does not say."""
+    pid = os.getppid()
+    for _ in range(4):  # worker <- daemon <- JVM, with room for a wrapper
+        stat = _process_stat(pid)
+        if stat is None or pid <= 1:
+            return None
+        try:
+            exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
+        except OSError:
+            return None
+        if exe == "java":
+            return pid, stat[19]  # starttime: a reused pid is another process
+        pid = int(stat[1])
+    return None
+
+
+def _alive(pid: int, started: str) -> bool:
+    """Whether the process ``pid`` that started at ``started`` still runs (not a zombie)."""
+    stat = _process_stat(pid)
+    return stat is not None and stat[0] != "Z" and stat[19] == started
+
+
 @contextlib.contextmanager
 def own_signals(events: queue.Queue[tuple[str, Any]], where: str) -> Iterator[None]:
     """While the block runs, SIGTERM and SIGHUP to this process are notices on the agent's
@@ -110,8 +144,15 @@ def own_signals(events: queue.Queue[tuple[str, Any]], where: str) -> Iterator[No
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    jvm = _nearest_jvm()
 
     def on_signal(signum: int) -> None:
+        if signum == signal.SIGHUP and jvm is not None and not _alive(*jvm):
+            # PySpark's daemon sends SIGHUP both when its JVM shuts its workers down (still
+            # alive, running its shutdown hooks: a preemption) and when the JVM died under
+            # it (a crash, SIGKILL, the OOM killer): then nothing is being taken back in an
+            # orderly way, and the node fails at once, as SIGHUP always ended it.
+            os._exit(128 + signal.SIGHUP)
         words = _SIGNAL_WORDS.get(signal.Signals(signum), signal.Signals(signum).name)
         events.put(("preempt", f"{where} got {words}"))
 

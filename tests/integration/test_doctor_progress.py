@@ -22,7 +22,7 @@ CHECKS = (
     "torch",
     "gpus",
     "spark gpu conf",
-    "spark preemption conf",
+    "preemption conf",
     "deepspeed",
     "mlflow",
 )
