@@ -151,7 +151,9 @@ MODEL_STATES = {
 }
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize(
+    "stage", [pytest.param(2, marks=pytest.mark.slow), 3]
+)  # 3: the harder case
 def test_an_engine_saved_twice_keeps_the_last_and_loads_exactly_into_a_fresh_one(tmp_path, stage):
     ckpt = tmp_path / "ckpt"
     saved = launch(2, ckpt, stage, save_twice)

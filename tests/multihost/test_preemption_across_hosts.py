@@ -128,7 +128,8 @@ def _with_executors(driver: DriverKernel, count: int = 3, timeout_s: float = 90.
 
 @pytest.mark.parametrize(
     ("save_after_s", "kill_timeout"),
-    [(0.0, None), (5.0, None), (5.0, "30s")],
+    # save-5s shows Spark's own bound (the docs' advice); -m slow runs it.
+    [(0.0, None), pytest.param(5.0, None, marks=pytest.mark.slow), (5.0, "30s")],
     ids=["save-at-once", "save-5s", "save-5s-killTimeout-30s"],
 )
 def test_sigterm_to_one_hosts_executor_jvm(
