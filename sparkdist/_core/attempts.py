@@ -11,8 +11,9 @@ ran on and how it ended) (pure).
 - a preempted attempt (``Attempt.preempted``: a SIGTERM reached a rank or an agent; the ranks
   drained) is restarted without using ``max_restarts``: the cluster took the capacity back,
   the job did nothing wrong. Preemptions are counted apart, and ``PREEMPTIONS_IN_A_ROW`` of
-  them in a row end the run (a cluster that takes the capacity back each time would restart
-  it forever).
+  them in a row *without a newer checkpoint* end the run (a cluster that takes the capacity
+  back before any progress would restart it forever); a run that checkpoints between
+  preemptions goes on however often it is preempted.
 
 Non-goals: running the attempts (``_engine.launch``), finding the root cause (``run_state``).
 """
@@ -55,12 +56,15 @@ def preemption_error(attempts: Sequence[Attempt]) -> ClusterError | None:
     """The error the run ends with after a preempted attempt (the last of ``attempts``): the
     last ``PREEMPTIONS_IN_A_ROW`` were all preempted; None: it restarts."""
     recent = attempts[-PREEMPTIONS_IN_A_ROW:]
-    if len(recent) < PREEMPTIONS_IN_A_ROW or not all(a.preempted for a in recent):
+    stuck = [a for a in recent if a.preempted and not a.progressed]
+    if len(recent) < PREEMPTIONS_IN_A_ROW or len(stuck) < PREEMPTIONS_IN_A_ROW:
         return None
     lines = [
-        f"the run was preempted {PREEMPTIONS_IN_A_ROW} times in a row and is not restarted "
-        "again (preemptions do not use max_restarts, but the cluster kept taking the capacity "
-        "back); its last checkpoint is kept: launch it again once the cluster can hold it",
+        f"the run was preempted {PREEMPTIONS_IN_A_ROW} times in a row without committing a "
+        "newer checkpoint and is not restarted again (preemptions do not use max_restarts, "
+        "and a run that checkpoints between them goes on however often it is preempted, but "
+        "the cluster kept taking the capacity back before any progress); its last checkpoint "
+        "is kept: launch it again once the cluster can hold it",
         *(a.summary() for a in attempts),
     ]
     return ClusterError("\n".join(lines))

@@ -123,6 +123,8 @@ class Attempt:
             "the driver got SIGTERM"); "" when it was not. A preempted attempt drained (its
             ranks saved and returned, or were stopped at ``preemption_grace_s``) and is
             restarted without using ``max_restarts``.
+        progressed: it committed a newer checkpoint than the one it started from (what keeps
+            a run that is preempted again and again going: ``attempts.preemption_error``).
     """
 
     number: int
@@ -130,6 +132,7 @@ class Attempt:
     failure: RankFailure | None = None
     before_start: bool = False
     preempted: str = ""
+    progressed: bool = False
 
     def summary(self) -> str:
         """One line: ``attempt 1 (on 10.0.0.2, 10.0.0.3) failed first at rank 1 on ...``."""

@@ -49,6 +49,7 @@ from sparkdist._engine.supervisor import (
     result_of,
     supervise,
 )
+from sparkdist._node.checkpoint_layout import newest_step
 from sparkdist._node.signal_notice import notices_during
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.channel import ChannelServer, new_secret
@@ -169,8 +170,9 @@ class Launch:
                 )
 
         try:
+            started_from = self._checkpoint_step()
             agents = self._backend.start(template, placement, wake, decommissioning)
-            self._attempt = _Attempt(monitor, server, agents, placement)
+            self._attempt = _Attempt(monitor, server, agents, placement, started_from)
         except BaseException:
             server.close()
             raise
@@ -203,7 +205,10 @@ class Launch:
                 finally:
                     attempt.close()
                 if state.was_preempted:  # restarted without using max_restarts
-                    history.append(attempt_of(state, len(history)))
+                    progressed = self._checkpoint_step() not in (None, attempt.started_from)
+                    history.append(
+                        dataclasses.replace(attempt_of(state, len(history)), progressed=progressed)
+                    )
                     if (too_many := preemption_error(history)) is not None:
                         raise too_many
                     if self._cancel_reason is not None:  # the driver's SIGTERM: no restart
@@ -228,6 +233,11 @@ class Launch:
             self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()
+
+    def _checkpoint_step(self) -> int | None:
+        """The run's newest committed checkpoint step, where the driver can see it."""
+        directory = self.config.checkpoint_dir
+        return None if directory is None else newest_step(directory)
 
     def _release_job_file(self) -> None:
         """A large job's file is needed until the last attempt ends (restarts reuse it)."""
@@ -326,11 +336,13 @@ class _Attempt:
         server: ChannelServer,
         agents: RunningAgents,
         placement: Placement,
+        started_from: int | None,
     ) -> None:
         self.monitor = monitor
         self.server = server
         self.agents = agents
         self.placement = placement  # a restart of an elastic run may have fewer ranks
+        self.started_from = started_from  # the newest checkpoint's step when it started
 
     def lost_hosts(self) -> set[str]:
         """The hosts of the nodes this attempt lost contact with (killed or cut off)."""

@@ -258,6 +258,16 @@ def candidates(directory: str) -> list[Candidate]:
     return sorted(found, key=lambda c: (c.step, not c.legacy), reverse=True)
 
 
+def newest_step(directory: str) -> int | None:
+    """The newest committed (or old single-file) checkpoint's step, None when there is none or
+    the directory cannot be read here (the driver asks, to tell a run's progress)."""
+    try:
+        found = candidates(directory)
+    except OSError:
+        return None
+    return found[0].step if found else None
+
+
 def read_marker(candidate: Candidate) -> dict[str, Any]:
     """The step directory's commit marker, checked (``Unreadable`` says what is wrong)."""
     with open(os.path.join(candidate.path, MARKER), "rb") as f:

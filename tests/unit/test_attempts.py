@@ -3,6 +3,7 @@ struck twice avoided, every attempt listed with its hosts."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 from sparkdist._core.attempts import (
@@ -130,5 +131,19 @@ def test_preemptions_in_a_row_end_the_run_at_the_documented_bound():
     history.append(preempted(PREEMPTIONS_IN_A_ROW - 1))
     error = preemption_error(history)
     assert isinstance(error, ClusterError)
-    assert str(error).startswith("the run was preempted 3 times in a row")
+    assert str(error).startswith("the run was preempted 3 times in a row without")
     assert str(error).count("was preempted: node 1 (host b)") == 3
+
+
+def test_a_run_that_checkpoints_between_preemptions_goes_on_however_often_it_is_preempted():
+    # Preempted every hour, a checkpoint each time: never "stuck".
+    hourly = [dataclasses.replace(preempted(n), progressed=True) for n in range(10)]
+    assert preemption_error(hourly) is None
+    # One attempt of the last three made progress: still not stuck.
+    mixed = [*hourly[:1], preempted(1), dataclasses.replace(preempted(2), progressed=True)]
+    assert preemption_error([*mixed, preempted(3)]) is None
+    # Three in a row with no newer checkpoint: the cluster takes it back before any progress.
+    stuck = [*hourly, preempted(10), preempted(11), preempted(12)]
+    error = preemption_error(stuck)
+    assert isinstance(error, ClusterError)
+    assert "3 times in a row without committing a newer checkpoint" in str(error)
