@@ -63,7 +63,7 @@ class SparkBackend:
         self._watches_decommission = False  # spark.decommission.enabled, read by ``place``
 
     def place(self, config: LaunchConfig) -> Placement:
-        conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
+        conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key, DECOMMISSION_KEY))
         for warning in check_cluster_conf(conf, self._ignore_ssl_key):
             _warn_once(warning)
         placement = place_on_cluster(config, conf)
@@ -78,7 +78,7 @@ class SparkBackend:
         # Connect reaches no scheduler: its decommissioned executors' Python workers are
         # shut down in the end, which the agents hear (SIGHUP) as a notice.
         self._watches_decommission = self.kind is BackendKind.SPARK and _is_true(
-            spark_driver.spark_conf(self.session, (DECOMMISSION_KEY,)).get(DECOMMISSION_KEY)
+            conf.get(DECOMMISSION_KEY)
         )
         return _shrunk(config, placement, found)
 

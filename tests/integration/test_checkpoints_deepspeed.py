@@ -18,6 +18,7 @@ import torch
 
 from sparkdist import Distributor, runtime
 from tests.conftest import run_processes
+from tests.integration.test_checkpoints_dcp import assert_equal
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.deepspeed, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -99,22 +100,6 @@ def rank_state(engine) -> dict:
     adam = engine.optimizer.optimizer  # torch's AdamW over this rank's fp32 partitions
     steps = sorted({float(state["step"]) for state in adam.state.values()})
     return {"global_steps": engine.global_steps, "adam_steps": steps}
-
-
-def assert_equal(got, want, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            assert_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for index, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_equal(a, b, f"{where}[{index}]")
-    else:
-        assert got == want, where
 
 
 def mode_of(path) -> int:
