@@ -19,14 +19,18 @@ import logging
 import math
 import os
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from sparkdist._core.env import (
     DEEPSPEED_CONFIG_VAR,
     MODE_VAR,
+    RANKS_PER_HOST_VAR,
     REQUESTED_WORLD_SIZE_VAR,
     USE_GPU_VAR,
+    device_index,
 )
+from sparkdist._core.numbering import groups_across_hosts_warning
 from sparkdist._node import checkpoints as _checkpoints
 from sparkdist._node.checkpoints import Checkpoint
 
@@ -220,11 +224,13 @@ def backend() -> str:
 
 
 def device() -> torch.device:
-    """This rank's device: its GPU (``cuda:LOCAL_RANK``) with CUDA, else the CPU."""
+    """This rank's device: its GPU with CUDA, else the CPU. That is ``cuda:LOCAL_RANK``: every
+    rank sees its host's GPUs in local-rank order, as under torchrun, unless the host's
+    executors each see GPUs of their own (then the driver warns; docs/launching.md)."""
     import torch
 
     if _uses_cuda():
-        return torch.device("cuda", get_local_rank())
+        return torch.device("cuda", device_index(os.environ))
     return torch.device("cpu")
 
 
@@ -233,9 +239,12 @@ def device_mesh(replicas: int = 1) -> DeviceMesh:
 
     ``replicas=1`` gives the 1-D mesh ("shard",) over all ranks: plain FSDP. ``replicas=r > 1``
     gives the 2-D mesh ("replicate", "shard") of shape (r, world_size // r) for HSDP:
-    parameters are sharded within each group of world_size // r consecutive ranks (typically
-    one node) and replicated across the r groups. ``get_replica_rank()`` then tells which of
-    the r replicas this rank belongs to. Every rank must call it (it creates process groups).
+    parameters are sharded within each group of world_size // r consecutive ranks and
+    replicated across the r groups. Ranks are numbered host by host, so with r = the number of
+    hosts each group is one host (NVLink inside, the network only between replicas); where the
+    hosts are unequal, rank 0 warns which groups cross hosts. ``get_replica_rank()`` then
+    tells which of the r replicas this rank belongs to. Every rank must call it (it creates
+    process groups).
 
     Args:
         replicas: the number of model replicas; a divisor of the world size.
@@ -258,6 +267,8 @@ def device_mesh(replicas: int = 1) -> DeviceMesh:
     global _mesh_replicas
     world = get_world_size()
     shard = _shard_size(world, replicas)
+    if replicas > 1:
+        _warn_of_groups_across_hosts(world, replicas)
     device_type = "cuda" if _uses_cuda() else "cpu"
     if replicas == 1:
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
@@ -269,6 +280,19 @@ def device_mesh(replicas: int = 1) -> DeviceMesh:
     # plain call of a decorated function ends its group) says nothing about the next one.
     _mesh_replicas = (dist.group.WORLD, _replica_rank_of(get_global_rank(), world, replicas))
     return mesh
+
+
+def _warn_of_groups_across_hosts(world_size: int, replicas: int) -> None:
+    """Warn (rank 0, once per mesh) when some HSDP shard groups cross hosts (``numbering``)."""
+    listed = os.environ.get(RANKS_PER_HOST_VAR, "")
+    if not listed or get_global_rank() != 0:
+        return
+    host_sizes = [int(n) for n in listed.split(",")]
+    if sum(host_sizes) != world_size:
+        return  # not the launcher's world (a process group of the user's own)
+    warning = groups_across_hosts_warning(host_sizes, replicas)
+    if warning is not None:
+        warnings.warn(warning, stacklevel=3)
 
 
 #: The default process group ``device_mesh`` last built a mesh on, and this rank's replica there.

@@ -23,6 +23,16 @@ RUN_ID_VAR = "SPARKDIST_RUN_ID"
 USE_GPU_VAR = "SPARKDIST_USE_GPU"
 MODE_VAR = "SPARKDIST_MODE"
 HOST_VAR = "SPARKDIST_HOST"
+#: The barrier task (partition id) whose agent started the rank: with ranks numbered host by
+#: host, two tasks of one run share a ``GROUP_RANK``, and an agent ends only its own ranks.
+TASK_VAR = "SPARKDIST_TASK"
+#: The rank's own GPU (an entry of its ``CUDA_VISIBLE_DEVICES``): its device index is where
+#: this stands in that list (``device_index``), which is ``LOCAL_RANK`` wherever the host's
+#: GPUs are all visible to its ranks (``_core.numbering``).
+GPU_VAR = "SPARKDIST_GPU"
+#: The ranks on every host, by node rank (a comma list): ``runtime.device_mesh`` tells from it
+#: which HSDP shard groups cross the network.
+RANKS_PER_HOST_VAR = "SPARKDIST_RANKS_PER_HOST"
 #: A cold-started rank's parent (its agent's process): the rank asks the kernel to end it when
 #: that parent goes (``_node.parent_death``).
 PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
@@ -116,6 +126,9 @@ LAUNCHER_VARS = frozenset(
         USE_GPU_VAR,
         MODE_VAR,
         HOST_VAR,
+        TASK_VAR,
+        GPU_VAR,
+        RANKS_PER_HOST_VAR,
         DEEPSPEED_CONFIG_VAR,
         CHECKPOINT_DIR_VAR,
         REQUESTED_WORLD_SIZE_VAR,
@@ -205,15 +218,19 @@ _STALE = ("MASTER_PORT", "TORCHELASTIC_ERROR_FILE", "GROUP_WORLD_SIZE", "ROLE_NA
 
 @dataclass(frozen=True)
 class RankSeat:
-    """Where one rank sits in the world.
+    """Where one rank sits in the world (torchrun's numbering: a node is a host; see
+    ``_core.numbering``).
 
     Attributes:
         rank: global rank.
-        local_rank: rank within its node (task).
-        node_rank: index of the node (barrier task) that runs it.
+        local_rank: rank within its node (host), across the host's tasks.
+        node_rank: index of the node (host) that runs it, in the order of the hosts' first task.
         world_size: total ranks.
-        local_world_size: ranks on this node.
-        num_nodes: number of nodes (barrier tasks).
+        local_world_size: ranks on this node (host).
+        num_nodes: number of nodes (hosts).
+        task: the barrier task (Spark partition id; 0 in local mode) whose agent runs it.
+        slot: its place among its task's ranks: its GPU is the task's GPU of this index.
+        host_sizes: the ranks on every node, by node rank (empty: not known).
     """
 
     rank: int
@@ -222,22 +239,9 @@ class RankSeat:
     world_size: int
     local_world_size: int
     num_nodes: int
-
-
-def seats_of_node(node_rank: int, processes_per_node: int, num_nodes: int) -> list[RankSeat]:
-    """The seats one node (task) hosts: ranks node_rank*k .. node_rank*k + k - 1."""
-    world_size = processes_per_node * num_nodes
-    return [
-        RankSeat(
-            rank=node_rank * processes_per_node + local_rank,
-            local_rank=local_rank,
-            node_rank=node_rank,
-            world_size=world_size,
-            local_world_size=processes_per_node,
-            num_nodes=num_nodes,
-        )
-        for local_rank in range(processes_per_node)
-    ]
+    task: int = 0
+    slot: int = 0
+    host_sizes: tuple[int, ...] = ()
 
 
 def worker_env(
@@ -299,8 +303,13 @@ def worker_env(
             HOST_VAR: host,
             USE_GPU_VAR: "0" if cuda_visible_devices is None else "1",
             "CUDA_VISIBLE_DEVICES": cuda_visible_devices or "",
+            TASK_VAR: str(seat.task),
         }
     )
+    if cuda_visible_devices:
+        env[GPU_VAR] = cuda_visible_devices.split(",")[seat.slot]
+    if seat.host_sizes:
+        env[RANKS_PER_HOST_VAR] = ",".join(map(str, seat.host_sizes))
     if mode == "deepspeed" and cuda_visible_devices is None:
         # DeepSpeed picks its accelerator at import; without a GPU it must be told "cpu".
         env.setdefault("DS_ACCELERATOR", "cpu")
@@ -339,3 +348,14 @@ def with_socket_ifname(
         if name not in user_env and name not in inherited:
             result[name] = value
     return result
+
+
+def device_index(env: Mapping[str, str]) -> int:
+    """The CUDA device index of a rank with environment ``env``: where its own GPU stands in
+    its ``CUDA_VISIBLE_DEVICES``, else (no GPU named: a world of the user's own) its
+    ``LOCAL_RANK``."""
+    visible = [item.strip() for item in env.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    own = env.get(GPU_VAR)
+    if own is not None and own in visible:
+        return visible.index(own)
+    return int(env.get("LOCAL_RANK", "0"))

@@ -22,9 +22,9 @@ from sparkdist._core.env import (
     CHECKPOINT_DIR_VAR,
     SOCKET_IFNAME_VARS,
     RankSeat,
-    seats_of_node,
     worker_env,
 )
+from sparkdist._core.numbering import seats_of_placeholder_hosts
 from sparkdist._core.placement import Placement
 
 #: Stands for values only known once the run starts (rank 0's store port, the run id...).
@@ -109,7 +109,12 @@ class LaunchPlan:
             lines.append(f"  every node must have: {', '.join(self.requirements)}")
         if self.user_env:
             lines.append(f"  user env: {', '.join(sorted(self.user_env))}")
-        lines.append("  ranks:")
+        lines.append(
+            "  ranks:"
+            if self.backend is BackendKind.LOCAL
+            else "  ranks (as if each task had a host of its own; at launch they are numbered "
+            "host by host, tasks on one host getting consecutive ranks):"
+        )
         for rank in self.ranks:
             seat = rank.seat
             lines.append(
@@ -132,8 +137,11 @@ def make_plan(
     """Decide the whole run from its inputs. Pure: no I/O, no clock, no randomness."""
     ranks = []
     master_addr = "127.0.0.1" if backend is BackendKind.LOCAL else "<task 0's address>"
+    # Before Spark places the tasks their hosts are unknown: each task is shown as a host of its
+    # own (the ranks are numbered host by host at launch; docs/launching.md).
+    seats = seats_of_placeholder_hosts(placement.num_tasks, placement.processes_per_task)
     for node in range(placement.num_tasks):
-        for seat in seats_of_node(node, placement.processes_per_task, placement.num_tasks):
+        for seat in seats[node]:
             gpus = _gpus_of(placement, backend, node)
             env = worker_env(
                 {},

@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S
-from sparkdist._core.env import ROWS_PER_RANK_VAR
+from sparkdist._core.env import ROWS_PER_RANK_VAR, RankSeat
+from sparkdist._core.numbering import isolated_gpus_warning, known_task_hosts, seats_by_task
 
 #: A rank that died without raising (a signal, ``os._exit``) has no timestamp of its own; its
 #: agent saw it exit a little after the fact, while a peer that lost it in a collective may
@@ -65,10 +66,12 @@ class StartStage(enum.Enum):
 
 @dataclass(frozen=True)
 class NodeHello:
-    """A node's agent connected, passed its checks, and spawned its ranks."""
+    """A node's agent connected, passed its checks, and spawned its ranks (``gpus``: its
+    task's GPUs, a comma list, empty on CPU)."""
 
     node: int
     host: str
+    gpus: str = ""
 
 
 @dataclass(frozen=True)
@@ -211,10 +214,13 @@ Event = (
 
 @dataclass(frozen=True)
 class SendRendezvous:
-    """Tell every node the store's port and the environment every rank gets."""
+    """Tell every node the store's port, the environment every rank gets and every task's
+    GPUs (each node makes its host's visible to its ranks)."""
 
     master_port: int
     env: Mapping[str, str]
+    task_gpus: Mapping[int, str] = field(default_factory=dict)
+    gpu_warning: str | None = None  # some hosts' ranks cannot see each other's GPUs
 
 
 @dataclass(frozen=True)
@@ -276,6 +282,7 @@ class RunState:
         self.started_at = started_at
         self.detached = detached
         self.node_hosts: dict[int, str] = {}
+        self.node_gpus: dict[int, str] = {}  # by node, the GPUs its hello named
         self.store_port: int | None = None
         self.joined: set[int] = set()
         self.holds = 0
@@ -347,6 +354,11 @@ class RunState:
         expected = self.num_nodes if self.agents_failed else len(self.node_hosts)
         return max(0, expected - len(self.lost_nodes))
 
+    def seats_by_node(self) -> list[list[RankSeat]]:
+        """Every node's ranks, numbered host by host as its agent numbered them."""
+        hosts = known_task_hosts(self.node_hosts, self.num_nodes)
+        return seats_by_task(hosts, self.world_size // max(self.num_nodes, 1))
+
     def silent_nodes(self) -> list[int]:
         """Nodes that reached the channel and have not said bye (their output may be partial)."""
         return sorted(set(self.node_hosts) - self.done_nodes)
@@ -360,6 +372,8 @@ class RunState:
         self._now = now
         if isinstance(event, NodeHello):
             self.node_hosts[event.node] = event.host
+            if event.gpus:
+                self.node_gpus[event.node] = event.gpus
             self._maybe_rendezvous(decisions)
         elif isinstance(event, StoreReady):
             self.store_port = event.port
@@ -438,7 +452,16 @@ class RunState:
         ):
             return
         self.rendezvous_sent = True
-        decisions.append(SendRendezvous(self.store_port, dict(self.rank_env)))
+        hosts = known_task_hosts(self.node_hosts, self.num_nodes)
+        gpus = [self.node_gpus.get(node, "") for node in range(self.num_nodes)]
+        decisions.append(
+            SendRendezvous(
+                self.store_port,
+                dict(self.rank_env),
+                dict(self.node_gpus),
+                isolated_gpus_warning(hosts, gpus) if self.node_gpus else None,
+            )
+        )
 
     def _on_failure(self, event: RankFailed, decisions: list[Decision]) -> None:
         if event.rank not in self.failed_ranks:

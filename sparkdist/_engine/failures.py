@@ -72,11 +72,11 @@ def stage_failure(
         )
         for rank in state.failed_ranks
     }
-    per_node = state.world_size // max(state.num_nodes, 1)
+    seats = state.seats_by_node()
     spark_saw = spark_view(str(error))
     for node in state.lost_nodes:
         host = state.node_hosts.get(node, "")
-        ranks = range(node * per_node, (node + 1) * per_node)
+        ranks = [seat.rank for seat in seats[node]]
         how = state.lost_how.get(node) or CHANNEL_CLOSED
         for rank in ranks:
             failures.setdefault(
@@ -87,7 +87,7 @@ def stage_failure(
                     exit_code=None,
                     exc_type="",
                     message=f"lost with its node {node} (host {host or '?'}, rank(s) "
-                    f"{ranks.start}-{ranks.stop - 1}): the driver saw that {how}; {spark_saw}",
+                    f"{ranks[0]}-{ranks[-1]}): the driver saw that {how}; {spark_saw}",
                     # Its last word: it went wrong after that, and anything a healthy node's
                     # ranks did when it vanished (a peer's reset in gloo) comes later.
                     failed_at=state.lost_heard.get(node) or None,

@@ -154,9 +154,9 @@ class RunMonitor:
     def _event_of(self, peer: Peer, message: protocol.Message) -> Event | None:
         """The run-state event an agent's message stands for (None: it changes nothing)."""
         match message:
-            case protocol.Hello(node=node, host=host):
+            case protocol.Hello(node=node, host=host, gpus=gpus):
                 peer.node = node
-                return NodeHello(node, host)
+                return NodeHello(node, host, gpus)
             case protocol.Store(port=port):
                 return StoreReady(port)
             case protocol.Ready(rank=rank):
@@ -208,7 +208,13 @@ class RunMonitor:
 
     def _carry_out(self, decision: Decision) -> None:
         if isinstance(decision, SendRendezvous):
-            self._broadcast(protocol.Rendezvous(decision.master_port, dict(decision.env)))
+            if decision.gpu_warning is not None:
+                logger.warning("sparkdist: %s", decision.gpu_warning)
+            self._broadcast(
+                protocol.Rendezvous(
+                    decision.master_port, dict(decision.env), dict(decision.task_gpus)
+                )
+            )
         elif isinstance(decision, AbortAll):
             self._broadcast(protocol.Abort(decision.reason))
         elif isinstance(decision, CancelStage):
@@ -342,5 +348,9 @@ def result_of(
         num_tasks=placement.num_tasks,
         dropped_lines=monitor.dropped,
         mode_settings=config.mode_settings(),
-        timeline=spawn_timeline(ordered, placement.processes_per_task),  # + steps: the tracker
+        timeline=spawn_timeline(ordered, _node_of_rank(monitor.state)),  # + steps: the tracker
     )
+
+
+def _node_of_rank(state: RunState) -> dict[int, int]:
+    return {seat.rank: node for node, seats in enumerate(state.seats_by_node()) for seat in seats}

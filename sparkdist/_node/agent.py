@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from sparkdist._core.env import seats_of_node
 from sparkdist._core.files import (
     AGENT_RUN_KIND,
     agent_run_dir_prefix,
@@ -238,7 +237,7 @@ class Agent:
     def _spawn_all(self, run_dir: str, job_file: str) -> None:
         spec = self.spec
         extra = node_extra_env(spec, run_dir)
-        for seat in seats_of_node(spec.node_rank, spec.processes_per_node, spec.num_nodes):
+        for seat in spec.seats():
             if self.stop_reason is not None:
                 return  # ``stop`` came before this rank started
             try:
@@ -283,18 +282,18 @@ class Agent:
 
     def _deliver_rendezvous(self, message: protocol.Rendezvous) -> None:
         problem = self.reach.at_rendezvous() if self.reach is not None else None
-        if problem is not None:
+        for_ranks = self.spec.rendezvous_for_ranks(message) if problem is None else problem
+        if isinstance(for_ranks, str):
             # Before any rank trains: the driver names every node that refuses, with the fix.
-            self.link.send_control(
-                protocol.Refused(self.spec.node_rank, self.spec.host, problem, ())
-            )
-            self.events.put(("abort", problem))
+            refusal = protocol.Refused(self.spec.node_rank, self.spec.host, for_ranks, ())
+            self.link.send_control(refusal)
+            self.events.put(("abort", for_ranks))
             return
         with self.lock:
-            self.master_port = message.master_port
+            self.master_port = for_ranks.master_port
             workers = list(self.workers.values())
         for worker in workers:
-            worker.tell(message)
+            worker.tell(for_ranks)
 
     # -- watching -------------------------------------------------------------------------
 

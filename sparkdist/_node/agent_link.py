@@ -71,6 +71,8 @@ class AgentLink:
             if isinstance(message, protocol.Rendezvous):
                 self.master_port = message.master_port
                 self.rank_env = dict(message.env)
+                if message.visible_devices:  # the host's GPUs, in local-rank order
+                    self.rank_env["CUDA_VISIBLE_DEVICES"] = message.visible_devices
                 self.rendezvous.set()
             elif isinstance(message, protocol.Drain):
                 drain.drain_from_agent(message.reason)

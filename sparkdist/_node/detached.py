@@ -2,11 +2,11 @@
 driver process, as with some Spark Connect deployments).
 
 The rendezvous then goes through Spark itself: every barrier task calls ``allGather`` exactly
-once — node 0 with its store's port, every node with its DataFrame row counts when there are
-any — and hands the result to its workers. Output is kept (bounded) and returned with the
-outcomes, so the driver prints it at the end in rank order; a failure is raised from the task
-with the failures encoded in its message, so Spark stops the other tasks at once and the
-driver can still name the root cause with its traceback.
+once — node 0 with its store's port, every node with its GPUs, and with its DataFrame row
+counts when there are any — and hands the result to its workers. Output is kept (bounded) and
+returned with the outcomes, so the driver prints it at the end in rank order; a failure is
+raised from the task with the failures encoded in its message, so Spark stops the other tasks
+at once and the driver can still name the root cause with its traceback.
 
 Non-goals: the connected path (``_agent`` and ``_channel``).
 """
@@ -38,6 +38,7 @@ class DetachedRendezvous:
         expects_rows: the run reads a DataFrame: row counts are exchanged too.
         deliver: called with the rendezvous for the workers.
         fail: called with a reason when the rendezvous cannot complete.
+        gpus: this task's GPUs (a comma list; empty on CPU), shared with its host-mates.
     """
 
     def __init__(
@@ -48,7 +49,9 @@ class DetachedRendezvous:
         expects_rows: bool,
         deliver: Callable[[protocol.Rendezvous], None],
         fail: Callable[[str], None],
+        gpus: str = "",
     ) -> None:
+        self._gpus = gpus
         self._all_gather = all_gather
         self._node_rank = node_rank
         self._world_size = world_size
@@ -81,7 +84,14 @@ class DetachedRendezvous:
             if self._started or not ready:
                 return
             self._started = True
-            mine = json.dumps({"port": self._port, "rows": self._rows or {}})
+            mine = json.dumps(
+                {
+                    "node": self._node_rank,
+                    "port": self._port,
+                    "rows": self._rows or {},
+                    "gpus": self._gpus,
+                }
+            )
         threading.Thread(
             target=self._exchange, args=(mine,), daemon=True, name="sparkdist-allgather"
         ).start()
@@ -104,7 +114,8 @@ class DetachedRendezvous:
         if port is None:
             self._fail("node 0 published no store port")
             return
-        self._deliver(protocol.Rendezvous(port, env))
+        task_gpus = {int(g["node"]): str(g["gpus"]) for g in gathered if g["gpus"]}
+        self._deliver(protocol.Rendezvous(port, env, task_gpus))
 
 
 class DetachedFailure(RuntimeError):

@@ -94,6 +94,7 @@ class DriverLink:
             spec.node_rank,
             spec.num_nodes * spec.processes_per_node,
             self._expects_data,
+            gpus=spec.gpu_addresses or "",
             deliver=self._on_message,
             fail=lambda reason: self._events.put(("abort", reason)),
         )
@@ -102,7 +103,8 @@ class DriverLink:
     def open_outbox(self) -> Outbox:
         """The outbox for this node's messages, once ``connect`` ran; says hello through it."""
         outbox = self.outbox = Outbox(self.client, keep_lines=KEPT_LINES if self.detached else 0)
-        outbox.control(protocol.Hello(self._spec.node_rank, self._spec.host))
+        spec = self._spec
+        outbox.control(protocol.Hello(spec.node_rank, spec.host, spec.gpu_addresses or ""))
         return outbox
 
     def start(self) -> None:

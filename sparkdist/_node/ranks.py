@@ -34,6 +34,7 @@ from sparkdist._core.env import (
     RESULT_DIR_VAR,
     RUN_ID_VAR,
     START_TIMEOUT_VAR,
+    TASK_VAR,
     RankSeat,
     worker_env,
 )
@@ -183,7 +184,7 @@ def node_tag(spec: AgentSpec, rank: int | None = None) -> dict[str, str]:
     """What this node's (or one rank's) processes carry in their environment."""
     tag = {
         RUN_ID_VAR: spec.run_id,
-        "GROUP_RANK": str(spec.node_rank),
+        TASK_VAR: str(spec.node_rank),  # not GROUP_RANK: a host's tasks share that
         "TORCHELASTIC_RESTART_COUNT": str(spec.restart_count),
     }
     if rank is not None:

@@ -8,10 +8,19 @@ Non-goals: building it (``_engine.launch``), acting on it (``agent``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from sparkdist._core.env import RankSeat
+from sparkdist._core.numbering import (
+    host_groups,
+    host_visible_devices,
+    seats_of_placeholder_hosts,
+    seats_of_task,
+)
 from sparkdist._core.versions import Requirement
+from sparkdist._wire import protocol
 
 
 @dataclass(frozen=True)
@@ -21,14 +30,17 @@ class AgentSpec:
     Attributes:
         run_id: the run's id.
         job_bytes: the pickled Job.
-        node_rank: this node's index; its ranks are node_rank * processes_per_node + i.
-        num_nodes: nodes in the run.
+        node_rank: this agent's index: its barrier task's partition id (0 in local mode). The
+            driver and the control channel call an agent a node; the ranks' ``NODE_RANK`` is
+            their *host's* index instead (``seats``, ``_core.numbering``).
+        num_nodes: agents (barrier tasks) in the run.
         processes_per_node: ranks this node runs.
         master_addr: host of rank 0, where the store lives, as Spark reports it (a name is
             resolved on the node: ``interfaces``).
         host: this node's host, for messages.
         task_hosts: every barrier task's host as Spark reports it, in task order (empty in
-            local mode): the peers this node routes toward to find its own address.
+            local mode): the peers this node routes toward to find its own address, and what
+            numbers the ranks host by host.
         channel_address: (host, port) of the driver's control channel.
         secret: the run's channel secret.
         gpu_addresses: CUDA_VISIBLE_DEVICES for the ranks, or None for CPU.
@@ -75,3 +87,33 @@ class AgentSpec:
     dataframe_schema_json: str | None = None
     system_metrics_interval_s: float = 0.0
     task_hosts: tuple[str, ...] = ()
+
+    def seats(self) -> list[RankSeat]:
+        """The ranks this agent runs, numbered host by host over every task's host."""
+        if self.task_hosts:
+            return seats_of_task(self.node_rank, self.task_hosts, self.processes_per_node)
+        placeholder = seats_of_placeholder_hosts(self.num_nodes, self.processes_per_node)
+        return placeholder[self.node_rank]
+
+    def rendezvous_for_ranks(self, message: protocol.Rendezvous) -> protocol.Rendezvous | str:
+        """The rendezvous as this node's ranks get it: with every GPU of the tasks on its host
+        in local-rank order (``CUDA_VISIBLE_DEVICES``: ``cuda:LOCAL_RANK`` is then the rank's
+        own GPU, and NCCL sees its peers on the host, as under torchrun). A string instead
+        says why that cannot be: a task on this host named no GPUs.
+        """
+        if self.gpu_addresses is None or not self.task_hosts:
+            return message  # CPU, or local mode: one task, its GPUs already the host's
+        (host_tasks,) = [t for t in host_groups(self.task_hosts) if self.node_rank in t]
+        gpus = {**message.task_gpus, self.node_rank: self.gpu_addresses}
+        missing = [t for t in host_tasks if not gpus.get(t)]
+        if missing:
+            return (
+                f"task(s) {missing} on {self.host} named no GPUs, so the GPUs of this host "
+                "cannot be made visible in local-rank order; every task of a GPU run needs "
+                "spark.task.resource.gpu.amount GPUs"
+            )
+        every = [gpus.get(task, "") for task in range(len(self.task_hosts))]
+        visible = host_visible_devices(self.node_rank, self.task_hosts, every)
+        if visible is None:
+            return message  # isolated executors: each rank keeps its task's GPUs (driver warns)
+        return dataclasses.replace(message, visible_devices=visible)

@@ -42,6 +42,7 @@ from sparkdist._core.env import (
     MODE_VAR,
     PARENT_PID_VAR,
     USE_GPU_VAR,
+    device_index,
 )
 from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
 from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
@@ -88,7 +89,7 @@ def main() -> None:
                 f"rank {rank} got no rendezvous port within {start_timeout_s} s "
                 f"({_network_of(env)})"
             )
-        env.update(link.rank_env)
+        env.update(link.rank_env)  # CUDA_VISIBLE_DEVICES too: nothing has started CUDA yet
         env["MASTER_PORT"] = str(link.master_port)
         _bind_device(env)
         _prepare_mode(env)
@@ -153,13 +154,14 @@ def _load_job(path: str) -> Any:
 
 
 def _bind_device(env: os._Environ[str]) -> None:
-    """Bind this rank to its GPU (LOCAL_RANK among the visible ones) before user code runs."""
+    """Bind this rank to its GPU before user code runs: LOCAL_RANK among the visible ones
+    (its host's GPUs, in local-rank order), or where its own GPU stands among them."""
     if env.get(USE_GPU_VAR) != "1":
         return
     import torch
 
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(env["LOCAL_RANK"]))
+        torch.cuda.set_device(device_index(env))
 
 
 def _prepare_mode(env: os._Environ[str]) -> None:

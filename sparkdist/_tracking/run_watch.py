@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 
 from sparkdist._core.config import LaunchConfig
+from sparkdist._core.numbering import known_task_hosts, task_of_rank
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RankTimeline, SystemSample
 from sparkdist._core.stragglers import RateSpread, StragglerEvent, StragglerWatch, Straggling
@@ -24,12 +25,11 @@ from sparkdist._wire.payload import Outcome
 from sparkdist._wire.protocol import Report, Sample
 
 
-def spawn_timeline(outcomes: Sequence[Outcome], processes_per_task: int) -> list[RankTimeline]:
-    """Each rank's spawn and exit as its agent saw them (``RunWatch.timeline`` adds its steps)."""
+def spawn_timeline(outcomes: Sequence[Outcome], node_of: Mapping[int, int]) -> list[RankTimeline]:
+    """Each rank's spawn and exit as its agent saw them (``RunWatch.timeline`` adds its steps);
+    ``node_of`` maps a rank to the node (task) that ran it."""
     return [
-        RankTimeline(
-            o.rank, o.rank // processes_per_task, o.host, o.ended_at - o.wall_time_s, o.ended_at
-        )
+        RankTimeline(o.rank, node_of[o.rank], o.host, o.ended_at - o.wall_time_s, o.ended_at)
         for o in outcomes
     ]
 
@@ -89,8 +89,8 @@ class RunWatch:
 
     def where(self, rank: int, node_hosts: Mapping[int, str]) -> str:
         """Where ``rank`` runs, in words: its node, host and GPU (as far as known)."""
-        per_task = self._placement.processes_per_task
-        node, local_rank = divmod(rank, per_task)
+        hosts = known_task_hosts(node_hosts, self._placement.num_tasks)
+        node, local_rank = task_of_rank(rank, hosts, self._placement.processes_per_task)
         host = node_hosts.get(node)
         place = f"node {node}" + (f" on {host}" if host else "")
         if not self._placement.use_gpu:

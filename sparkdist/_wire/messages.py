@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar, TypeAlias
 
 #: The handshake's protocol version: a driver and an agent of different versions never pair.
-#: 3: link beats (``Alive``) both ways; 4: preemption notices (``Preempted``, ``Drain``).
-PROTOCOL_VERSION = 4
+#: 3: link beats (``Alive``) both ways; 4: preemption notices (``Preempted``, ``Drain``);
+#: 5: a node's GPUs in its hello, every task's in the rendezvous (ranks numbered by host).
+PROTOCOL_VERSION = 5
 #: Largest frame payload (a batch of messages) after the handshake.
 MAX_FRAME_BYTES = 1 << 20
 #: Largest single message: one always fits in a frame on its own.
@@ -68,10 +69,12 @@ def _clip(text: str, limit: int = MAX_REASON_CHARS) -> str:
 
 @dataclass(frozen=True)
 class Hello:
-    """Agent to driver: this node passed its checks and spawned its ranks."""
+    """Agent to driver: this node passed its checks and spawned its ranks; ``gpus`` are its
+    task's GPUs (a comma list, empty on CPU), which the rendezvous shares with its host-mates."""
 
     node: int
     host: str
+    gpus: str = ""
     kind: ClassVar[str] = "hello"
 
 
@@ -209,11 +212,16 @@ class Alive:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """Driver to agent: the store's port, and the variables every rank gets before it runs
-    user code (only those of ``RENDEZVOUS_ENV_VARS``)."""
+    """Driver to agent: the store's port, the variables every rank gets before it runs user
+    code (only those of ``RENDEZVOUS_ENV_VARS``) and every task's GPUs by node (what each
+    said in its hello). Agent to rank: the same, with ``visible_devices``, the GPUs of every
+    task on its host in local-rank order (``_core.numbering.host_visible_devices``), which
+    become its ``CUDA_VISIBLE_DEVICES`` before CUDA starts."""
 
     master_port: int
     env: Mapping[str, str] = field(default_factory=dict)
+    task_gpus: Mapping[int, str] = field(default_factory=dict)
+    visible_devices: str = ""
     kind: ClassVar[str] = "rendezvous"
 
 

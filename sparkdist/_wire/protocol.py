@@ -161,7 +161,11 @@ def _kinds() -> dict[str, _Kind]:
     to_driver, to_agent = Route.TO_DRIVER, Route.TO_AGENT
     hs, worker = Route.HANDSHAKE, Route.WORKER
     table: list[tuple[type[Any], frozenset[Route], tuple[tuple[str, Check, bool], ...]]] = [
-        (Hello, frozenset({to_driver}), (("node", _NODE, True), ("host", _HOST, True))),
+        (
+            Hello,
+            frozenset({to_driver}),
+            (("node", _NODE, True), ("host", _HOST, True), ("gpus", _HOST, False)),
+        ),
         (Store, frozenset({to_driver, worker}), (("port", _PORT, True),)),
         (Ready, frozenset({to_driver, worker}), (("rank", _RANK, True),)),
         (
@@ -228,6 +232,8 @@ def _kinds() -> dict[str, _Kind]:
                     mapping(_ENV_KEY, text(MAX_ENV_VALUE_CHARS), len(RENDEZVOUS_ENV_VARS)),
                     False,
                 ),
+                ("task_gpus", mapping(rank_key, _HOST, MAX_ROWS), False),
+                ("visible_devices", _HOST, False),
             ),
         ),
         (Abort, frozenset({to_agent}), (("reason", _REASON, True),)),
@@ -251,7 +257,11 @@ def _kinds() -> dict[str, _Kind]:
         Refused: lambda m: {**_plain(m), "rows": [list(row) for row in m.rows]},
         Report: lambda m: {**_plain(m), "metrics": dict(m.metrics)},
         Sample: lambda m: {**_plain(m), "metrics": dict(m.metrics)},
-        Rendezvous: lambda m: {**_plain(m), "env": dict(m.env)},
+        Rendezvous: lambda m: {
+            **_plain(m),
+            "env": dict(m.env),
+            "task_gpus": {str(node): gpus for node, gpus in m.task_gpus.items()},
+        },
     }
     return {
         cls.kind: _Kind(

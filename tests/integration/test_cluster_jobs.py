@@ -136,10 +136,14 @@ def test_standalone_cluster_gives_every_rank_its_own_worker_gpu(tmp_path):
     ]
     assert sorted(int(s["RANK"]) for s in seen) == [0, 1, 2, 3]
     for s in seen:
-        # One GPU per task, so one rank per barrier task: the task is the rank's "node".
-        assert s["WORLD_SIZE"] == "4" and s["LOCAL_WORLD_SIZE"] == "1"
-        assert s["LOCAL_RANK"] == "0" and s["NODE_RANK"] == s["RANK"]
+        # One GPU per task, four tasks, every worker on this host: one node of four ranks, as
+        # torchrun numbers one machine.
+        assert s["WORLD_SIZE"] == "4" and s["LOCAL_WORLD_SIZE"] == "4"
+        assert s["LOCAL_RANK"] == s["RANK"] and s["NODE_RANK"] == "0"
         assert s["sum"] == 4.0  # the four ranks formed one real process group
+    # Both workers' executors name GPUs "0" and "1" (each its own), so each rank keeps its
+    # task's GPU, and the driver says that LOCAL_RANK is no device index there.
+    assert "the executors name the same GPUs" in done.stdout + done.stderr
     pairs = {(s[WORKER_NAME_VAR], s["CUDA_VISIBLE_DEVICES"]) for s in seen}
     assert len(pairs) == 4, f"two ranks shared a GPU: {seen}"
     assert Counter(worker for worker, _ in pairs) == {"worker-0": 2, "worker-1": 2}

@@ -30,6 +30,7 @@ def placement_seen():
             "CUDA_VISIBLE_DEVICES",
             "MASTER_ADDR",
             "SPARKDIST_USE_GPU",
+            "SPARKDIST_GPU",
         )
     } | {"pid_host": socket.gethostname()}
 
@@ -71,12 +72,15 @@ def test_fake_gpus_become_cuda_visible_devices_and_local_rank(spark_cluster):
     result = TorchDistributor(2, local_mode=False, use_gpu=True).run_all(placement_seen)
     seen = result.values
     assert [s["RANK"] for s in seen] == ["0", "1"]
-    assert [s["NODE_RANK"] for s in seen] == ["0", "1"]
-    assert [s["LOCAL_RANK"] for s in seen] == ["0", "0"]
-    assert {s["LOCAL_WORLD_SIZE"] for s in seen} == {"1"}
+    # Both executors run on this host: one node, numbered as torchrun numbers one machine.
+    assert [s["NODE_RANK"] for s in seen] == ["0", "0"]
+    assert [s["LOCAL_RANK"] for s in seen] == ["0", "1"]
+    assert {s["LOCAL_WORLD_SIZE"] for s in seen} == {"2"}
     assert {s["SPARKDIST_USE_GPU"] for s in seen} == {"1"}
-    # Each executor owns fake GPUs "0" and "1" and hands one to its single task.
+    # Each executor owns fake GPUs "0" and "1" (its own: the two name the same ones, as
+    # containers do) and hands one to its single task: each rank keeps its task's GPU.
     assert all(s["CUDA_VISIBLE_DEVICES"] in ("0", "1") for s in seen)
+    assert all(s["SPARKDIST_GPU"] == s["CUDA_VISIBLE_DEVICES"] for s in seen)
 
 
 def test_failure_on_an_executor_is_reported_with_rank(spark_cluster):

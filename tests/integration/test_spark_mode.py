@@ -37,8 +37,9 @@ def all_reduce_rank_sum(scale):
 def test_barrier_stage_all_reduce_in_rank_order(spark_local):
     result = Distributor(2, local_mode=False, use_gpu=False).run_all(all_reduce_rank_sum, 10)
     assert result.values == [
+        # local[2]: both tasks on this host, so one node (torchrun's numbering).
         {"rank": 0, "total": 30.0, "node": "0", "local": "0"},
-        {"rank": 1, "total": 30.0, "node": "1", "local": "0"},
+        {"rank": 1, "total": 30.0, "node": "0", "local": "1"},
     ]
     assert result.num_tasks == 2 and not result.local_mode
 
