@@ -217,21 +217,37 @@ class LabCluster:
             self.wait_for_executors(len(self.workers))
         return self.driver
 
+    def start_application(
+        self, conf: dict[str, str], executors: int, timeout_s: float = 90.0, **env: str
+    ) -> DriverKernel:
+        """Another driver program with an application of its own (``conf`` over the lab's
+        session settings), once it has ``executors`` executors; the caller stops it
+        (``stop_application``). The cores it can get are those the other applications left."""
+        log = self._log(f"driver-{time.monotonic_ns()}")
+        reply = self.lab.spawn(
+            "driver",
+            [sys.executable, "-m", "sparkdist._lab.kernel"],
+            log,
+            env=self.lab.env("driver", **env),
+            pipes=True,
+        )
+        driver = DriverKernel(self.lab, reply["proc"], reply["pid"], log)
+        driver.check(session_code(MASTER_URL, conf))
+        wait_for_executors(driver, executors, timeout_s)
+        return driver
+
+    def stop_application(self, driver: DriverKernel) -> None:
+        """End an application of ``start_application``: its session (its executors go), then
+        its driver program."""
+        try:
+            driver.check("spark.stop()")
+        finally:
+            self.lab.signal(driver.pid, 9)
+
     def wait_for_executors(self, count: int, timeout_s: float = 90.0) -> None:
         """Wait until the driver's application has ``count`` executors."""
         assert self.driver is not None
-        self.driver.check(
-            f"""
-            import time
-            deadline = time.monotonic() + {timeout_s}
-            while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1 < {count}:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("executors: " + str(spark.sparkContext._jsc.sc()
-                                       .getExecutorMemoryStatus().size() - 1))
-                time.sleep(0.1)
-            """,
-            timeout_s=timeout_s + 30,
-        )
+        wait_for_executors(self.driver, count, timeout_s)
 
     def restart_host(self, host: str, timeout_s: float = 90.0) -> None:
         """Bring back a host that a fault killed: fresh namespaces, a Worker, and the driver's
@@ -317,6 +333,22 @@ class LabCluster:
     def driver_app_id(self) -> str:
         assert self.driver is not None
         return str(self.driver.check("result = spark.sparkContext.applicationId"))
+
+
+def wait_for_executors(driver: DriverKernel, count: int, timeout_s: float = 90.0) -> None:
+    """Wait until ``driver``'s application has ``count`` executors."""
+    driver.check(
+        f"""
+        import time
+        deadline = time.monotonic() + {timeout_s}
+        while spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1 < {count}:
+            if time.monotonic() > deadline:
+                raise TimeoutError("executors: " + str(spark.sparkContext._jsc.sc()
+                                   .getExecutorMemoryStatus().size() - 1))
+            time.sleep(0.1)
+        """,
+        timeout_s=timeout_s + 30,
+    )
 
 
 def start_lab_cluster(

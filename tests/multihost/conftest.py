@@ -43,12 +43,19 @@ def shared(lab_cluster: LabCluster) -> Iterator[Path]:
     yield directory
 
 
+#: The fixtures that give a test a lab (the shared one, and labs of other shapes of a module).
+LAB_FIXTURES = ("lab_cluster", "two_host_lab", "three_host_lab")
+
+
 @pytest.fixture(autouse=True)
 def no_rank_left_on_any_host(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    if "lab_cluster" not in request.fixturenames:
-        return
-    cluster: LabCluster = request.getfixturevalue("lab_cluster")
+    for name in LAB_FIXTURES:
+        if name in request.fixturenames:
+            _check_no_rank_left(request.getfixturevalue(name))
+
+
+def _check_no_rank_left(cluster: LabCluster) -> None:
     left = cluster.lab.wait_until_no_ranks(LEFTOVER_GRACE_S)
     if left:
         for proc in left:

@@ -13,14 +13,13 @@ conf raised (docs/restarts.md, preemption).
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from sparkdist._lab.spark import MASTER_URL, DriverKernel, LabCluster, session_code
+from sparkdist._lab.spark import DriverKernel, LabCluster
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
 
@@ -82,37 +81,22 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def _second_driver(cluster: LabCluster, conf: dict[str, str]) -> DriverKernel:
-    """Another application on the lab (the first holds one core per host), with ``conf``."""
-    lab = cluster.lab
-    log = cluster._log(f"driver-{time.monotonic_ns()}")
-    env = lab.env("driver", SPARKDIST_MLFLOW="0")
-    reply = lab.spawn(
-        "driver", [sys.executable, "-m", "sparkdist._lab.kernel"], log, env=env, pipes=True
-    )
-    driver = DriverKernel(lab, reply["proc"], reply["pid"], log)
-    driver.check(session_code(MASTER_URL, {"spark.cores.max": "3", **conf}))
-    deadline = time.monotonic() + 90
-    while (
-        driver.check("result = spark.sparkContext._jsc.sc().getExecutorMemoryStatus().size() - 1")
-        < 3
-    ):
-        assert time.monotonic() < deadline, "the second application got no executors"
-        time.sleep(0.5)
-    return driver
-
-
 @pytest.fixture(scope="module")
 def patient_driver(lab_cluster: LabCluster) -> Iterator[DriverKernel]:
     """A second application whose barrier stages outlive a lost executor for 30 s
     (``spark.python.task.killTimeout``) and whose executors can be decommissioned."""
-    driver = _second_driver(
-        lab_cluster,
-        {"spark.decommission.enabled": "true", "spark.python.task.killTimeout": "30s"},
+    # The lab's first application holds one core per host: this one gets the other.
+    driver = lab_cluster.start_application(
+        {
+            "spark.cores.max": "3",
+            "spark.decommission.enabled": "true",
+            "spark.python.task.killTimeout": "30s",
+        },
+        executors=3,
+        SPARKDIST_MLFLOW="0",
     )
     yield driver
-    driver.check("spark.stop()")
-    lab_cluster.lab.signal(driver.pid, 9)
+    lab_cluster.stop_application(driver)
 
 
 def _with_executors(driver: DriverKernel, count: int = 3, timeout_s: float = 90.0) -> None:
