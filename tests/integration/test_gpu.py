@@ -133,3 +133,61 @@ def test_deepspeed_zero2_example_trains_in_bf16_on_gpus(world_size, monkeypatch)
         assert value["device"] == f"cuda:{rank}" and value["zero_stage"] == 2
         assert value["compute_dtype"] == "bfloat16"
         assert value["final_loss"] < value["first_loss"] - 0.5
+
+
+def local_rank_probe() -> dict[str, Any]:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from sparkdist import runtime
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)  # what code written for torchrun does
+    dist.init_process_group("nccl")
+    total = torch.tensor([1.0], device=f"cuda:{local_rank}")
+    dist.all_reduce(total)
+    return {
+        "local_rank": local_rank,
+        "visible": os.environ["CUDA_VISIBLE_DEVICES"].split(","),
+        "own": os.environ["SPARKDIST_GPU"],
+        "runtime_device": str(runtime.device()),
+        "uuid": str(torch.cuda.get_device_properties(local_rank).uuid),
+        "sum": total.item(),
+    }
+
+
+@pytest.mark.spark
+@pytest.mark.cluster
+def test_in_spark_mode_cuda_local_rank_is_each_ranks_own_gpu(no_spark, monkeypatch):
+    # One executor with every GPU, one GPU per task: the tasks share a host, so their ranks
+    # count LOCAL_RANK across them and see the host's GPUs in local-rank order.
+    from pyspark.sql import SparkSession
+
+    from tests.conftest import FAKE_GPU_SCRIPT, FAST_JVM_OPTIONS
+
+    monkeypatch.setenv("SPARKDIST_FAKE_GPUS", str(GPUS))  # it lists the ordinals 0..GPUS-1
+    spark = (
+        SparkSession.builder.master(f"local-cluster[1,{GPUS},2048]")
+        .config("spark.pyspark.python", sys.executable)
+        .config("spark.ui.enabled", "false")
+        .config("spark.driver.extraJavaOptions", FAST_JVM_OPTIONS)
+        .config("spark.executor.extraJavaOptions", FAST_JVM_OPTIONS)
+        .config("spark.worker.resource.gpu.amount", str(GPUS))
+        .config("spark.worker.resource.gpu.discoveryScript", str(FAKE_GPU_SCRIPT))
+        .config("spark.executor.resource.gpu.amount", str(GPUS))
+        .config("spark.executor.resource.gpu.discoveryScript", str(FAKE_GPU_SCRIPT))
+        .config("spark.task.resource.gpu.amount", "1")
+        .getOrCreate()
+    )
+    try:
+        values = Distributor(GPUS, local_mode=False, use_gpu=True).run_all(local_rank_probe).values
+    finally:
+        spark.stop()
+    for rank, value in enumerate(values):
+        assert value["local_rank"] == rank  # one host: one node
+        assert value["visible"][value["local_rank"]] == value["own"]  # the GPU Spark gave it
+        assert value["runtime_device"] == f"cuda:{value['local_rank']}"
+        assert value["sum"] == GPUS
+    assert len({value["uuid"] for value in values}) == GPUS  # one GPU each
