@@ -202,15 +202,7 @@ class LabCluster:
     def start_driver(self, conf: dict[str, str] | None = None, **env: str) -> DriverKernel:
         """Start the driver program (once) and its SparkSession; returns the kernel."""
         if self.driver is None:
-            log = self._log("driver")
-            reply = self.lab.spawn(
-                "driver",
-                [sys.executable, "-m", "sparkdist._lab.kernel"],
-                log,
-                env=self.lab.env("driver", **env),
-                pipes=True,
-            )
-            self.driver = DriverKernel(self.lab, reply["proc"], reply["pid"], log)
+            self.driver = self._start_kernel(self._log("driver"), env)
             # One core per host: the rest is left for a second application.
             cores = {"spark.cores.max": str(len(self.workers))}
             self.driver.check(session_code(MASTER_URL, {**cores, **(conf or {})}))
@@ -223,7 +215,12 @@ class LabCluster:
         """Another driver program with an application of its own (``conf`` over the lab's
         session settings), once it has ``executors`` executors; the caller stops it
         (``stop_application``). The cores it can get are those the other applications left."""
-        log = self._log(f"driver-{time.monotonic_ns()}")
+        driver = self._start_kernel(self._log(f"driver-{time.monotonic_ns()}"), env)
+        driver.check(session_code(MASTER_URL, conf))
+        wait_for_executors(driver, executors, timeout_s)
+        return driver
+
+    def _start_kernel(self, log: Path, env: dict[str, str]) -> DriverKernel:
         reply = self.lab.spawn(
             "driver",
             [sys.executable, "-m", "sparkdist._lab.kernel"],
@@ -231,10 +228,7 @@ class LabCluster:
             env=self.lab.env("driver", **env),
             pipes=True,
         )
-        driver = DriverKernel(self.lab, reply["proc"], reply["pid"], log)
-        driver.check(session_code(MASTER_URL, conf))
-        wait_for_executors(driver, executors, timeout_s)
-        return driver
+        return DriverKernel(self.lab, reply["proc"], reply["pid"], log)
 
     def stop_application(self, driver: DriverKernel) -> None:
         """End an application of ``start_application``: its session (its executors go), then

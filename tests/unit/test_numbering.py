@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdist._core.env import device_index, worker_env
+from sparkdist._core.env import RankSeat, device_index, worker_env
 from sparkdist._core.numbering import (
     groups_across_hosts_warning,
     host_groups,
@@ -125,19 +125,22 @@ def test_the_warning_names_the_groups_and_the_fix():
     assert groups_across_hosts_warning([2, 2], replicas=2) is None
 
 
-def test_the_rank_knows_its_task_and_every_hosts_size():
-    seat = seats_by_task(["h1", "h2", "h1"], 1)[2][0]
-    env = worker_env(
+def _env_of(seat: RankSeat, gpus: str | None = None) -> dict[str, str]:
+    return worker_env(
         {},
         seat,
         master_addr="10.0.0.1",
         run_id="r",
         restart_count=0,
         max_restarts=0,
-        cuda_visible_devices=None,
+        cuda_visible_devices=gpus,
         mode="ddp",
         host="h1",
     )
+
+
+def test_the_rank_knows_its_task_and_every_hosts_size():
+    env = _env_of(seats_by_task(["h1", "h2", "h1"], 1)[2][0])
     assert (env["RANK"], env["LOCAL_RANK"], env["NODE_RANK"], env["GROUP_RANK"]) == (
         "1", "1", "0", "0",
     )  # fmt: skip
@@ -232,17 +235,7 @@ def test_a_ranks_device_index_is_its_own_gpus_place_among_the_visible_ones(env, 
 def test_each_rank_is_told_its_own_gpu():
     seats = seats_by_task(["h1", "h1"], 2)
     own = [
-        worker_env(
-            {},
-            seat,
-            master_addr="10.0.0.1",
-            run_id="r",
-            restart_count=0,
-            max_restarts=0,
-            cuda_visible_devices=gpus,
-            mode="ddp",
-            host="h1",
-        )["SPARKDIST_GPU"]
+        _env_of(seat, gpus)["SPARKDIST_GPU"]
         for seat, gpus in zip([*seats[0], *seats[1]], ["0,1", "0,1", "2,3", "2,3"], strict=True)
     ]
     assert own == ["0", "1", "2", "3"]
