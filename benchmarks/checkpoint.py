@@ -275,8 +275,8 @@ def _save(method: str, step: int, model: Any, optimizer: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     from sparkdist import runtime
+    from sparkdist._checkpoint.api import wait_for_pending_saves
     from sparkdist._core.files import replace_atomically
-    from sparkdist._node.checkpoints import wait_for_pending_saves
 
     directory, baseline = _directories()
     marker = os.path.join(directory, f"step-{step:09d}", "COMMITTED")
@@ -321,7 +321,7 @@ def _overlap(step: int, steps: int, model: Any, optimizer: Any, batch: Any) -> d
     import torch.distributed as dist
 
     from sparkdist import runtime
-    from sparkdist._node.checkpoints import wait_for_pending_saves
+    from sparkdist._checkpoint.api import wait_for_pending_saves
 
     directory, _ = _directories()
     dist.barrier()

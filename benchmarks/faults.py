@@ -82,7 +82,7 @@ def survivors() -> int:
         with contextlib.suppress(psutil.Error):
             if proc.status() != psutil.STATUS_ZOMBIE and (
                 proc.name().startswith("sparkdist-r")
-                or "sparkdist._node.worker" in " ".join(proc.cmdline())
+                or "sparkdist._node.rank.worker" in " ".join(proc.cmdline())
             ):
                 count += 1
     return count
@@ -94,7 +94,7 @@ def kill_ranks() -> None:
 
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if proc.name().startswith("sparkdist-r") or "sparkdist._node.worker" in " ".join(
+            if proc.name().startswith("sparkdist-r") or "sparkdist._node.rank.worker" in " ".join(
                 proc.cmdline()
             ):
                 proc.kill()

@@ -129,24 +129,24 @@ def instrument(rec: Recorder) -> None:
         ("sparkdist._wire.channel", "ChannelServer.__init__", "channel start"),
         ("sparkdist._backends.local", "LocalBackend.start", "backend start"),
         ("sparkdist._backends.spark", "SparkBackend.start", "backend start"),
-        ("sparkdist._node.agent", "Agent.run", "agent run (total)"),
-        ("sparkdist._node.agent", "sweep_dead_owners", "agent: sweep dead owners"),
-        ("sparkdist._node.agent", "refusal_of", "agent: preflight"),
-        ("sparkdist._node.agent", "write_private_file", "agent: write job file"),
-        ("sparkdist._node.agent", "Agent._spawn_all", "agent: spawn ranks (all)"),
-        ("sparkdist._node.agent", "spawn_rank", "agent: spawn one rank"),
-        ("sparkdist._node.ranks", "start_rank", "agent: zygote fork request"),
-        ("sparkdist._node.ranks", "start_time", "agent: rank start time (/proc)"),
-        ("sparkdist._node.ranks", "worker_env", "agent: rank env"),
-        ("sparkdist._node.agent", "DriverLink.connect", "agent: connect channel"),
-        ("sparkdist._node.agent", "DriverLink.open_outbox", "agent: open outbox + hello"),
-        ("sparkdist._node.agent", "Agent._start_threads", "agent: start pump threads"),
-        ("sparkdist._node.agent", "Agent._watch", "agent: watch ranks"),
-        ("sparkdist._node.agent", "outcome_of", "agent: outcome of a rank"),
-        ("sparkdist._node.agent", "DriverLink.say_bye", "agent: bye (flush)"),
-        ("sparkdist._node.agent", "end_ranks", "agent: end ranks (reaper)"),
-        ("sparkdist._node.agent", "DriverLink.close", "agent: close link"),
-        ("sparkdist._node.ranks", "end_processes", "rank exit: reap strays"),
+        ("sparkdist._node.agent.agent", "Agent.run", "agent run (total)"),
+        ("sparkdist._node.agent.agent", "sweep_dead_owners", "agent: sweep dead owners"),
+        ("sparkdist._node.agent.agent", "refusal_of", "agent: preflight"),
+        ("sparkdist._node.agent.agent", "write_private_file", "agent: write job file"),
+        ("sparkdist._node.agent.agent", "Agent._spawn_all", "agent: spawn ranks (all)"),
+        ("sparkdist._node.agent.agent", "spawn_rank", "agent: spawn one rank"),
+        ("sparkdist._node.agent.ranks", "start_rank", "agent: zygote fork request"),
+        ("sparkdist._node.agent.ranks", "start_time", "agent: rank start time (/proc)"),
+        ("sparkdist._node.agent.ranks", "worker_env", "agent: rank env"),
+        ("sparkdist._node.agent.agent", "DriverLink.connect", "agent: connect channel"),
+        ("sparkdist._node.agent.agent", "DriverLink.open_outbox", "agent: open outbox + hello"),
+        ("sparkdist._node.agent.agent", "Agent._start_threads", "agent: start pump threads"),
+        ("sparkdist._node.agent.agent", "Agent._watch", "agent: watch ranks"),
+        ("sparkdist._node.agent.agent", "outcome_of", "agent: outcome of a rank"),
+        ("sparkdist._node.agent.agent", "DriverLink.say_bye", "agent: bye (flush)"),
+        ("sparkdist._node.agent.agent", "end_ranks", "agent: end ranks (reaper)"),
+        ("sparkdist._node.agent.agent", "DriverLink.close", "agent: close link"),
+        ("sparkdist._node.agent.ranks", "end_processes", "rank exit: reap strays"),
         ("sparkdist._engine.launch", "supervise", "driver: supervise"),
         ("sparkdist._engine.launch", "result_of", "driver: results (unpickle)"),
         ("sparkdist._tracking.tracker", "RunTracker.close", "driver: tracker close"),
@@ -160,7 +160,7 @@ def instrument(rec: Recorder) -> None:
 def _watch_messages(rec: Recorder) -> None:
     """First sight of each message, at the agent (local mode) and at the driver."""
     from sparkdist._engine import supervisor
-    from sparkdist._node import agent, driver_link, ranks
+    from sparkdist._node.agent import agent, driver_link, ranks
 
     def named(message: Any) -> str:
         rank = getattr(message, "rank", None)

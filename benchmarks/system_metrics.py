@@ -1,9 +1,9 @@
 """What a node's system sampler costs (issue 22: at most 1% of a node's CPU at the default
 10 s interval).
 
-The real ``NodeSampler`` (``sparkdist._node.sampler``) samples ``--ranks`` real rank stand-ins:
-each a sleeping Python process with ``--children`` children of its own, so the ranks' process
-trees are as deep as a data loader makes them. Two figures:
+The real ``NodeSampler`` (``sparkdist._node.agent.sampler``) samples ``--ranks`` real rank
+stand-ins: each a sleeping Python process with ``--children`` children of its own, so the
+ranks' process trees are as deep as a data loader makes them. Two figures:
 
 - ``per_sample_ms``: CPU time (the sampling thread's own, ``time.thread_time``) of one sample
   and of encoding it as the ``Sample`` message the agent sends; median and max over
@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from sparkdist._node.sampler import NodeSampler
+from sparkdist._node.agent.sampler import NodeSampler
 from sparkdist._wire import protocol
 
 _STAND_IN = """

@@ -32,7 +32,7 @@ from sparkdist._core.placement import (
 from sparkdist._core.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.launch import launch
-from sparkdist._node.gpus import visible_gpus
+from sparkdist._node.host.gpus import visible_gpus
 from sparkdist._wire.payload import Job
 from sparkdist.distributor import Distributor, TrainObject, make_job
 

@@ -21,7 +21,7 @@ from sparkdist._core.config import LaunchConfig
 from sparkdist._core.placement import Placement
 from sparkdist._core.plan import BackendKind
 from sparkdist._core.versions import Requirement
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.payload import Outcome
 
 logger = logging.getLogger("sparkdist")

@@ -8,7 +8,7 @@ Python worker gets no signal (measured in the lab). So the driver watches: every
 the scheduler which of the application's executors are decommissioning, and a node of the run
 on such a host starts the same drain as a SIGTERM would (docs/restarts.md, preemption).
 
-Non-goals: the drain itself (``_engine``, ``_node.drain``); giving the executor up.
+Non-goals: the drain itself (``_engine``, ``_node.rank.drain``); giving the executor up.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from sparkdist._core.errors import ClusterError, ConfigError
 from sparkdist._core.placement import Placement, place_local
 from sparkdist._core.plan import BackendKind
 from sparkdist._core.versions import Requirement, check_local
-from sparkdist._node.agent import Agent
-from sparkdist._node.gpus import gpu_type_mismatch, gpus_at, visible_gpus
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.agent import Agent
+from sparkdist._node.agent.spec import AgentSpec
+from sparkdist._node.host.gpus import gpu_type_mismatch, gpus_at, visible_gpus
 from sparkdist._shipping.origin import is_installed_path
 
 LOOPBACK = "127.0.0.1"

@@ -30,7 +30,7 @@ from sparkdist._core.placement import (
 )
 from sparkdist._core.plan import BackendKind
 from sparkdist._core.versions import Requirement
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.payload import loads
 
 logger = logging.getLogger("sparkdist")

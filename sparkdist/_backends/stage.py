@@ -30,8 +30,8 @@ from sparkdist._backends.session import is_connect
 from sparkdist._core.addresses import task_host
 from sparkdist._core.errors import ClusterError
 from sparkdist._core.placement import cuda_visible_devices
-from sparkdist._node.agent import run_agent
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.agent import run_agent
+from sparkdist._node.agent.spec import AgentSpec
 
 
 class BarrierStage:
@@ -155,7 +155,7 @@ def _barrier_task(
     spec = dataclasses.replace(
         template,
         node_rank=node_rank,
-        master_addr=hosts[0],  # a name is resolved by the agent (``_node.interfaces``)
+        master_addr=hosts[0],  # a name is resolved by the agent (``_node.host.interfaces``)
         host=hosts[node_rank],
         task_hosts=tuple(hosts),
         gpu_addresses=gpus,

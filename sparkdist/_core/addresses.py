@@ -2,7 +2,7 @@
 kernel's table of IPv6 addresses (``/proc/net/if_inet6``) read as text.
 
 DESIGN.md rule 11: nodes are told addresses, never names, and each node's ranks use the
-interface holding the address Spark reached that node at. The node side (``_node.interfaces``)
+interface holding the address Spark reached that node at. The node side (``_node.host.interfaces``)
 resolves names and asks the kernel; the decisions it takes on what comes back are here, pure.
 
 Non-goals: resolving names, sockets, reading files.

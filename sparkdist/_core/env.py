@@ -34,7 +34,7 @@ GPU_VAR = "SPARKDIST_GPU"
 #: which HSDP shard groups cross the network.
 RANKS_PER_HOST_VAR = "SPARKDIST_RANKS_PER_HOST"
 #: A cold-started rank's parent (its agent's process): the rank asks the kernel to end it when
-#: that parent goes (``_node.parent_death``).
+#: that parent goes (``_node.host.parent_death``).
 PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
@@ -92,7 +92,7 @@ RENDEZVOUS_ENV_VARS = frozenset(
     {MLFLOW_RUN_ID_VAR, MLFLOW_EXPERIMENT_ID_VAR, MLFLOW_TRACKING_URI_VAR, ROWS_PER_RANK_VAR}
 )
 
-#: The worker's bootstrap variables (set by the agent, read by ``_node.worker``; named here so
+#: The worker's bootstrap variables (set by the agent, read by ``_node.rank.worker``; named here so
 #: the launcher's own variables are listed in one place).
 JOB_FILE_VAR = "SPARKDIST_JOB_FILE"
 RESULT_DIR_VAR = "SPARKDIST_RESULT_DIR"
@@ -272,7 +272,7 @@ def worker_env(
         mode: the launch mode's name.
         host: the host name or address of this node, as the driver knows it.
         extra: user-supplied variables, applied last except over sparkdist's own.
-        socket_ifname: the interface holding this node's address (``_node.interfaces``), or
+        socket_ifname: the interface holding this node's address (``_node.host.interfaces``), or
             None when it is unknown; see ``with_socket_ifname``.
     """
     env = {k: v for k, v in base.items() if k not in _STALE}
@@ -306,8 +306,9 @@ def worker_env(
             TASK_VAR: str(seat.task),
         }
     )
-    if cuda_visible_devices:
-        env[GPU_VAR] = cuda_visible_devices.split(",")[seat.slot]
+    devices = cuda_visible_devices.split(",") if cuda_visible_devices else []
+    if seat.slot < len(devices):
+        env[GPU_VAR] = devices[seat.slot]
     if seat.host_sizes:
         env[RANKS_PER_HOST_VAR] = ",".join(map(str, seat.host_sizes))
     if mode == "deepspeed" and cuda_visible_devices is None:

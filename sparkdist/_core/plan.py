@@ -29,7 +29,7 @@ from sparkdist._core.placement import Placement
 
 #: Stands for values only known once the run starts (rank 0's store port, the run id...).
 LATER = "<at start>"
-#: Stands for the interface a node decides at start (``_node.interfaces``).
+#: Stands for the interface a node decides at start (``_node.host.interfaces``).
 NODE_INTERFACE = "<the interface holding the node's address>"
 
 

@@ -36,7 +36,7 @@ from sparkdist._doctor.spark import (
     java_version_text,
 )
 from sparkdist._doctor.table import Check, Status
-from sparkdist._node.gpus import Gpu, visible_gpus
+from sparkdist._node.host.gpus import Gpu, visible_gpus
 
 
 @dataclass(frozen=True)

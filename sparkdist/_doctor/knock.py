@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from sparkdist._core.addresses import ip_literal, pick_address
 from sparkdist._doctor.network import NodeObservation, Reach
-from sparkdist._node.interfaces import interface_of
+from sparkdist._node.host.interfaces import interface_of
 
 #: Each connection attempt, and each name lookup, gets this long.
 CONNECT_TIMEOUT_S = 5.0

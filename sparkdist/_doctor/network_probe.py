@@ -5,7 +5,7 @@ address executors reach it at (``driver_host``: what the control channel binds).
 then, every wait bounded:
 
 1. reads its address (the host part of its ``getTaskInfos()`` entry), the interface holding
-   it (``_node.interfaces``) and what its own host name resolves to;
+   it (``_node.host.interfaces``) and what its own host name resolves to;
 2. knocks on the driver's listener: sends the token and its task id, and counts as reached
    only when the listener answers with the token (a stray service on that port does not count,
    nor does a stray connection on the listener's side);

@@ -25,7 +25,7 @@ from sparkdist._core.run_state import (
     StopCause,
     root_cause,
 )
-from sparkdist._node.detached import failures_in
+from sparkdist._wire.detached_failures import failures_in
 from sparkdist._wire.payload import Outcome, loads
 
 #: Spark's words for a task whose executor went away (``ExecutorLostFailure (executor 2

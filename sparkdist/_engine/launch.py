@@ -27,6 +27,7 @@ from typing import Any
 
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.job_file import JobFile, sweep_job_leftovers
+from sparkdist._checkpoint.layout import newest_step
 from sparkdist._core.attempts import (
     attempt_of,
     failed_attempts,
@@ -49,8 +50,7 @@ from sparkdist._engine.supervisor import (
     result_of,
     supervise,
 )
-from sparkdist._node.checkpoint_layout import newest_step
-from sparkdist._node.signal_notice import notices_during
+from sparkdist._node.host.signal_notice import notices_during
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.channel import ChannelServer, new_secret
 from sparkdist._wire.payload import Job

@@ -21,7 +21,7 @@ from sparkdist._core.env import CHECKPOINT_DIR_VAR, REQUESTED_WORLD_SIZE_VAR
 from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
 from sparkdist._core.plan import LaunchPlan, make_plan
 from sparkdist._core.versions import expected_requirements
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._shipping.code import ModuleRecorder, pack_local_code
 from sparkdist._wire.captures import check_job_size
 from sparkdist._wire.payload import Job, dumps_job

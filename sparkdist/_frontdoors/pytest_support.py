@@ -31,8 +31,8 @@ from typing import Any
 from sparkdist._backends.session import create_session
 from sparkdist._core.env import PYTEST_SESSION_VAR, RUN_ID_VAR, ZYGOTE_VAR
 from sparkdist._frontdoors.pytest_spark_conf import QUIET_LOG4J2, session_conf
-from sparkdist._node.gpus import visible_gpus
-from sparkdist._node.zygote import RANK_NAME_PREFIX, SPARE_NAME
+from sparkdist._node.host.gpus import visible_gpus
+from sparkdist._node.pool.zygote import RANK_NAME_PREFIX, SPARE_NAME
 
 #: Environment variable naming the pytest session a run belongs to. Set in the pytest process
 #: (and passed to every rank), so the leak check never counts another session's processes.

@@ -177,7 +177,7 @@ class Report:
 
 @dataclass(frozen=True)
 class Sample:
-    """Agent to driver: one node's system metrics (``_node.sampler``).
+    """Agent to driver: one node's system metrics (``_node.agent.sampler``).
 
     Attributes:
         node: the node.

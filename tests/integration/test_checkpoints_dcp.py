@@ -299,7 +299,7 @@ def async_save_and_return(steps: int):
 
 
 def test_the_end_of_the_run_waits_for_an_async_save(tmp_path, monkeypatch):
-    # Needs the worker to call sparkdist._node.checkpoints.wait_for_pending_saves() after the
+    # Needs the worker to call sparkdist._checkpoint.api.wait_for_pending_saves() after the
     # function returns, before it destroys the process group.
     ckpt = tmp_path / "ckpt"
     assert launch(2, ckpt, async_save_and_return, 3).values == [0, 1]

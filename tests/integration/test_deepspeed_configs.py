@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdist._node.torch_extensions import build_root, op_is_built, torch_build_tag
+from sparkdist._node.rank.torch_extensions import build_root, op_is_built, torch_build_tag
 from tests.conftest import REPO, run_processes
 
 pytest.importorskip("deepspeed")

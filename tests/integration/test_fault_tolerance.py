@@ -280,7 +280,7 @@ def test_ranks_end_a_grace_after_the_drivers_channel_goes_away():
 def test_a_local_spawn_failure_is_reported_at_once_and_as_local(monkeypatch):
     """The OS refuses to start a rank (EAGAIN from fork). Injected in the agent's call, as a
     real process limit (RLIMIT_NPROC) would starve the whole test session."""
-    from sparkdist._node import ranks
+    from sparkdist._node.agent import ranks
 
     def refused(*args, **kwargs):
         raise OSError(11, "Resource temporarily unavailable")

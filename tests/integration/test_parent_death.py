@@ -19,7 +19,7 @@ import time
 import pytest
 
 from sparkdist import Distributor
-from sparkdist._node import pool as _pool
+from sparkdist._node.pool import pool as _pool
 from tests.integration.test_reaper import _alive
 
 #: No rank may outlive the driver by more than this.

@@ -1,4 +1,4 @@
-"""``_node.reaper``: ending a rank's whole process tree, on real processes."""
+"""``_node.host.reaper``: ending a rank's whole process tree, on real processes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sparkdist._node.reaper import KILL_CONFIRM_S, end_processes, process_table, start_time
+from sparkdist._node.host.reaper import KILL_CONFIRM_S, end_processes, process_table, start_time
 
 # A "rank": a child in its group, a child in a session of its own that ignores SIGTERM (only
 # SIGKILL ends it), and a daemon whose parent exits at once (found by its tag only); it writes

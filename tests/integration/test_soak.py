@@ -30,7 +30,7 @@ import psutil
 import pytest
 
 from sparkdist import Distributor
-from sparkdist._node import pool as _pool
+from sparkdist._node.pool import pool as _pool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -92,7 +92,8 @@ def snapshot() -> Snapshot:
     ranks = [
         p
         for p in _live(me.children(recursive=True))
-        if p.name().startswith("sparkdist-r") or "sparkdist._node.worker" in " ".join(p.cmdline())
+        if p.name().startswith("sparkdist-r")
+        or "sparkdist._node.rank.worker" in " ".join(p.cmdline())
     ]
     return Snapshot(
         fds=len(os.listdir("/proc/self/fd")),

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from sparkdist import Distributor, RunTimeoutError, WorkerFailedError
-from sparkdist._node import pool as _pool
+from sparkdist._node.pool import pool as _pool
 from tests.integration.test_soak import FD_SLACK, THREAD_SLACK, snapshot
 
 pytestmark = pytest.mark.timeout(900)

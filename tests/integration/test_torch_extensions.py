@@ -14,7 +14,7 @@ import time
 import pytest
 
 from sparkdist import Distributor
-from sparkdist._node.torch_extensions import LOCK_NAME
+from sparkdist._node.rank.torch_extensions import LOCK_NAME
 from tests.conftest import run_processes
 
 pytest.importorskip("deepspeed")

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from sparkdist import Distributor, RendezvousError
-from sparkdist._node import pool as _pool
+from sparkdist._node.pool import pool as _pool
 
 
 def rank_view():
@@ -112,7 +112,7 @@ def _stopped_zygote():
 @pytest.fixture
 def short_fork_answer(monkeypatch):
     """A frozen zygote is given up sooner than in production (a healthy one answers in ms)."""
-    from sparkdist._node import zygote_client
+    from sparkdist._node.pool import zygote_client
 
     monkeypatch.setattr(zygote_client, "FORK_ANSWER_TIMEOUT_S", 2.5)
 
@@ -156,7 +156,7 @@ def test_a_zygote_stuck_in_its_start_and_a_short_start_timeout_end_the_run_in_ti
     """A zygote that never gets through its imports (a sitecustomize that sleeps in zygotes
     only) ends the run by start_timeout_s: the agent's stop wakes the wait for its "ready"
     instead of the run waiting out ZYGOTE_START_TIMEOUT_S; the stuck zygote is ended."""
-    from sparkdist._node import zygote_client
+    from sparkdist._node.pool import zygote_client
 
     (tmp_path / "sitecustomize.py").write_text(
         "import os, time\nif os.environ.get('SPARKDIST_ZYGOTE') == '1':\n    time.sleep(300)\n"
@@ -174,7 +174,7 @@ def test_a_zygote_stuck_in_its_start_and_a_short_start_timeout_end_the_run_in_ti
     stuck = [
         p
         for p in psutil.process_iter(["cmdline", "environ"])
-        if "sparkdist._node.zygote" in " ".join(p.info["cmdline"] or [])
+        if "sparkdist._node.pool.zygote" in " ".join(p.info["cmdline"] or [])
         and (p.info["environ"] or {}).get("PYTHONPATH") == str(tmp_path)
     ]
     assert stuck == [] or all(p.status() == "zombie" for p in stuck)
@@ -183,7 +183,7 @@ def test_a_zygote_stuck_in_its_start_and_a_short_start_timeout_end_the_run_in_ti
 def test_a_failed_pool_start_leaves_no_directory_and_runs_cold(monkeypatch):
     """The zygote does not come up in time: the run starts its ranks cold, and the pool's
     directory of that attempt is gone."""
-    from sparkdist._node import zygote_client
+    from sparkdist._node.pool import zygote_client
 
     def pool_dirs():
         return set(glob.glob(os.path.join(tempfile.gettempdir(), "sparkdist_pool-*")))

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from sparkdist._node.outbox import Outbox
+from sparkdist._node.agent.outbox import Outbox
 from sparkdist._wire import client as client_module
 from sparkdist._wire import dispatch as dispatch_module
 from sparkdist._wire import frames, protocol

@@ -7,8 +7,8 @@ import os
 import stat
 
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._node.checkpoint_reach import ReachCheck, token_path
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.checkpoint_reach import ReachCheck, token_path
+from sparkdist._node.agent.spec import AgentSpec
 
 
 def spec_of(directory: str | None, node: int, nodes: int = 2, **kw) -> AgentSpec:

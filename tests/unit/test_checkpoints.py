@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from sparkdist import runtime
+from sparkdist._checkpoint import api as checkpoints
 from sparkdist._core import files
-from sparkdist._node import checkpoints
 
 SHARD = "__0_0.distcp"  # a world of one's shards
 

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from sparkdist import runtime
-from sparkdist._node import checkpoint_layout, checkpoint_universal
-from sparkdist._node.checkpoint_deepspeed import Found, _converted, load, save
-from sparkdist._node.checkpoint_layout import Candidate, Unreadable
-from sparkdist._node.checkpoint_pickles import Refused, WeightsOnlyReads, check_file, check_tree
-from sparkdist._node.checkpoint_universal import Refusal, Topology, plan
+from sparkdist._checkpoint import layout as checkpoint_layout
+from sparkdist._checkpoint import universal as checkpoint_universal
+from sparkdist._checkpoint.deepspeed_engine import Found, _converted, load, save
+from sparkdist._checkpoint.layout import Candidate, Unreadable
+from sparkdist._checkpoint.pickles import Refused, WeightsOnlyReads, check_file, check_tree
+from sparkdist._checkpoint.universal import Refusal, Topology, plan
 
 PATH = "/ckpt/step-000000005"
 
@@ -490,7 +491,7 @@ def test_a_reshard_this_deepspeed_cannot_be_switched_to_is_refused(ckpt_dir):
 def test_find_engine_wants_one_engine_and_str_keys():
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from sparkdist._node.checkpoint_deepspeed import find_engine
+    from sparkdist._checkpoint.deepspeed_engine import find_engine
 
     engine = DeepSpeedEngine.__new__(DeepSpeedEngine)  # an instance for isinstance, no init
     assert find_engine(engine) == Found(engine, None)

@@ -273,7 +273,7 @@ def test_every_variable_the_launcher_sets_is_one_env_may_not_set():
     assert all(launcher_owns(name) for name in set(env) - defaulted), set(env) - defaulted
     assert not any(launcher_owns(name) for name in defaulted | {"DS_ACCELERATOR", "NCCL_DEBUG"})
     # The agent's bootstrap variables and the worker's spellings of them agree.
-    from sparkdist._node import worker
+    from sparkdist._node.rank import worker
 
     assert (
         worker.JOB_FILE_VAR,

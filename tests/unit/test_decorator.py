@@ -8,7 +8,7 @@ import cloudpickle
 import pytest
 
 from sparkdist import ConfigError, GPUType, Mode, distributed
-from sparkdist._node.gpus import gpu_type_matches
+from sparkdist._node.host.gpus import gpu_type_matches
 from sparkdist.decorator import DistributedFunction
 
 

@@ -21,7 +21,7 @@ from sparkdist._doctor.spark import (
     version_line,
 )
 from sparkdist._doctor.table import Check, Status, format_checks, has_problem
-from sparkdist._node.gpus import Gpu
+from sparkdist._node.host.gpus import Gpu
 
 REPO = Path(__file__).resolve().parents[2]
 FAKE_SCRIPT = str(REPO / "conf" / "fakeGpusResources.sh")

@@ -1,4 +1,4 @@
-"""``_node.gpus``: nvidia-smi runs once per process; the mask applies on every call."""
+"""``_node.host.gpus``: nvidia-smi runs once per process; the mask applies on every call."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from sparkdist._node import gpus
-from sparkdist._node.gpus import Gpu, gpus_at, visible_gpus
+from sparkdist._node.host import gpus
+from sparkdist._node.host.gpus import Gpu, gpus_at, visible_gpus
 
 
 @pytest.fixture

@@ -16,14 +16,14 @@ from sparkdist._core.addresses import (
     task_host,
 )
 from sparkdist._core.env import RankSeat, with_socket_ifname, worker_env
-from sparkdist._node.interfaces import (
+from sparkdist._node.agent.network import decide_node_network
+from sparkdist._node.agent.spec import AgentSpec
+from sparkdist._node.host.interfaces import (
     NodeNetwork,
     SystemLookups,
-    decide_node_network,
     interface_of,
     node_network,
 )
-from sparkdist._node.spec import AgentSpec
 
 GLOO, NCCL = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 
@@ -341,12 +341,12 @@ def test_any_loopback_master_means_one_host():
 
 
 def test_the_agents_decision_never_fails_the_node(monkeypatch, caplog):
-    from sparkdist._node import interfaces
+    from sparkdist._node.agent import network
 
     def broken(*a, **k):
         raise RuntimeError("surprise")
 
-    monkeypatch.setattr(interfaces, "node_network", broken)
+    monkeypatch.setattr(network, "node_network", broken)
     spec = _spec(master_addr="10.0.0.2", host="10.0.0.2")
     assert decide_node_network(spec) == NodeNetwork("10.0.0.2")
     assert "surprise" in caplog.text

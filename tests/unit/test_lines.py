@@ -17,7 +17,7 @@ from sparkdist._core.lines import (
     shows_c10d_hostname_warning,
     split_lines,
 )
-from sparkdist._node.output import pump_lines, stderr_noise
+from sparkdist._node.agent.output import pump_lines, stderr_noise
 from sparkdist._wire import protocol
 
 

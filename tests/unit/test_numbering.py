@@ -18,7 +18,7 @@ from sparkdist._core.numbering import (
     task_of_rank,
 )
 from sparkdist._core.run_state import Deadlines, NodeHello, RunState, SendRendezvous, StoreReady
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import Route
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from sparkdist._node import pool as _pool
+from sparkdist._node.pool import pool as _pool
 
 
 def test_the_import_environment_decides_the_zygote_not_the_shipped_code():

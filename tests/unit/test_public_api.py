@@ -79,3 +79,49 @@ def test_version_comes_from_the_package_metadata_only():
     source = (Path(sparkdist.__file__).parent).rglob("*.py")
     literal = re.compile(r"""__version__\s*=\s*['"]""")
     assert not [str(p) for p in source if literal.search(p.read_text())]
+
+
+#: The public helpers of ``sparkdist.runtime`` and their signatures, as they were when the
+#: module's machinery moved out of it (``_core.world``, ``_node.rank.mesh`` and
+#: ``.preemption``, ``_checkpoint.public``): a change here is a change of the public surface.
+RUNTIME_SIGNATURES = {
+    "backend": "() -> 'str'",
+    "checkpoint_dir": "() -> 'str | None'",
+    "deepspeed_config": "() -> 'dict[str, Any] | None'",
+    "deepspeed_config_path": "() -> 'str | None'",
+    "device": "() -> 'torch.device'",
+    "device_mesh": "(replicas: 'int' = 1) -> 'DeviceMesh'",
+    "get_global_rank": "(group: 'ProcessGroup | None' = None) -> 'int'",
+    "get_local_rank": "() -> 'int'",
+    "get_local_world_size": "() -> 'int'",
+    "get_node_rank": "() -> 'int'",
+    "get_replica_rank": "() -> 'int'",
+    "get_world_size": "() -> 'int'",
+    "heartbeat": "() -> 'None'",
+    "is_main_process": "() -> 'bool'",
+    "load_checkpoint": "(into: 'Any' = None, *, map_location: 'Any' = 'cpu', "
+    "weights_only: 'bool' = True) -> 'Checkpoint | None'",
+    "mode": "() -> 'str'",
+    "on_preemption": "(callback: 'Callable[[str], object]') -> 'None'",
+    "report": "(step: 'int | None' = None, total: 'int | None' = None, **metrics: 'float') "
+    "-> 'None'",
+    "requested_world_size": "() -> 'int'",
+    "restart_count": "() -> 'int'",
+    "save_checkpoint": "(state: 'Any', step: 'int', *, async_: 'bool' = False, "
+    "keep_last: 'int | None' = None) -> 'str'",
+    "should_stop": "() -> 'bool'",
+}
+
+
+def test_runtimes_public_helpers_keep_their_names_signatures_and_home():
+    import inspect
+
+    from sparkdist import runtime
+
+    assert sorted(runtime.__all__) == sorted([*RUNTIME_SIGNATURES, "Checkpoint"])
+    for name, signature in RUNTIME_SIGNATURES.items():
+        helper = getattr(runtime, name)
+        assert str(inspect.signature(helper)) == signature, name
+        # Shown as runtime's wherever it is defined (help(), the docs, tracebacks' readers).
+        assert helper.__module__ == "sparkdist.runtime", name
+        assert helper.__doc__, name

@@ -11,7 +11,7 @@ from sparkdist._frontdoors import pytest_support as support
 from sparkdist._frontdoors.pytest_spark_conf import session_conf
 from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR as MARKER
 from sparkdist._frontdoors.pytest_support import _Process
-from sparkdist._node.gpus import Gpu
+from sparkdist._node.host.gpus import Gpu
 
 
 @pytest.mark.parametrize(

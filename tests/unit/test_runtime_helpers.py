@@ -15,6 +15,7 @@ import pytest
 
 from sparkdist import ConfigError, Distributor, RunResult, runtime
 from sparkdist._engine.handle import every_value, rank0_value
+from sparkdist._node.rank import mesh
 
 WORLD_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK")
 
@@ -36,7 +37,7 @@ class UpGroup:
 def no_world(monkeypatch):
     for name in WORLD_VARS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(runtime, "_mesh_replicas", None)
+    monkeypatch.setattr(mesh, "_mesh_replicas", None)
     # Not imported (or imported but with no group up): the helpers must not import torch.
     monkeypatch.delitem(sys.modules, "torch.distributed", raising=False)
     return monkeypatch
@@ -99,15 +100,15 @@ def test_replica_of_each_rank_follows_init_device_mesh_layout(
     world_size, replicas, replica_of_each_rank
 ):
     assert [
-        runtime._replica_rank_of(rank, world_size, replicas) for rank in range(world_size)
+        mesh._replica_rank_of(rank, world_size, replicas) for rank in range(world_size)
     ] == replica_of_each_rank
-    assert runtime._shard_size(world_size, replicas) == world_size // replicas
+    assert mesh._shard_size(world_size, replicas) == world_size // replicas
 
 
 @pytest.mark.parametrize(("world_size", "replicas"), [(4, 3), (4, 0), (4, -2), (2, 4), (4, True)])
 def test_replicas_that_do_not_divide_the_world_are_refused(world_size, replicas):
     with pytest.raises(ValueError, match=r"replicas=\S+ must be|replicas must be an integer"):
-        runtime._shard_size(world_size, replicas)
+        mesh._shard_size(world_size, replicas)
 
 
 def test_replica_rank_is_the_global_rank_without_a_mesh(no_world):
@@ -119,7 +120,7 @@ def test_replica_rank_is_the_global_rank_without_a_mesh(no_world):
 def test_replica_rank_follows_the_mesh_only_while_its_group_is_up(no_world):
     up = group_up(no_world, rank=5, world_size=8)
     no_world.setenv("RANK", "5")
-    no_world.setattr(runtime, "_mesh_replicas", (up.module.group.WORLD, 1))
+    no_world.setattr(mesh, "_mesh_replicas", (up.module.group.WORLD, 1))
     assert runtime.get_replica_rank() == 1
     up.module.group.WORLD = object()  # the group was destroyed and a new one started
     assert runtime.get_replica_rank() == 5

@@ -17,7 +17,7 @@ from sparkdist._core.config import build_config
 from sparkdist._core.placement import Placement
 from sparkdist._core.result import RankTimeline, RunResult, SystemSample
 from sparkdist._core.stragglers import RateSpread, Straggling
-from sparkdist._node.sampler import NodeSampler
+from sparkdist._node.agent.sampler import NodeSampler
 from sparkdist._tracking import progress
 from sparkdist._tracking.run_watch import RunWatch
 from sparkdist._wire import protocol

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkdist._node import torch_extensions as te
+from sparkdist._node.rank import torch_extensions as te
 
 OLD = 3600.0  # seconds: a lock this old is past any age limit
 

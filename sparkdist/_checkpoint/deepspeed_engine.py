@@ -31,10 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdist._node import checkpoint_io, checkpoint_layout, checkpoint_ranks, checkpoint_universal
-from sparkdist._node.checkpoint_layout import Unreadable
-from sparkdist._node.checkpoint_pickles import check_tree
-from sparkdist._node.checkpoint_universal import Refusal, Topology, plan
+from sparkdist._checkpoint import dcp as checkpoint_io
+from sparkdist._checkpoint import layout as checkpoint_layout
+from sparkdist._checkpoint import ranks as checkpoint_ranks
+from sparkdist._checkpoint import universal as checkpoint_universal
+from sparkdist._checkpoint.layout import Unreadable
+from sparkdist._checkpoint.pickles import check_tree
+from sparkdist._checkpoint.universal import Refusal, Topology, plan
 
 logger = logging.getLogger("sparkdist")
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Iterable
 
 from sparkdist._core.errors import RankFailure
-from sparkdist._node import worker as _worker
-from sparkdist._node.detached import DetachedFailure
-from sparkdist._node.output import drain
-from sparkdist._node.ranks import RankHandle
+from sparkdist._core.run_dir import failure_path, value_path
+from sparkdist._node.agent.output import drain
+from sparkdist._node.agent.ranks import RankHandle
 from sparkdist._wire import protocol
+from sparkdist._wire.detached_failures import DetachedFailure
 from sparkdist._wire.payload import Outcome, ValueFile
 
 
@@ -45,8 +45,8 @@ def outcome_of(
     drain(rank)  # its last lines are complete only once its pumps are done
     seat, code = rank.seat, rank.proc.returncode
     wall = (rank.ended or time.monotonic()) - rank.started
-    value_file = _worker.value_path(run_dir, seat.rank)
-    failure_file = _worker.failure_path(run_dir, seat.rank)
+    value_file = value_path(run_dir, seat.rank)
+    failure_file = failure_path(run_dir, seat.rank)
     # Our stop shows as SIGTERM or SIGKILL; a rank that died of something else (a segfault)
     # just before we reached it failed on its own.
     killed_by_us = rank.was_stopped(code) and rank.hung_for_s is None

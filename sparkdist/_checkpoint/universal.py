@@ -27,10 +27,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from sparkdist._checkpoint import layout as checkpoint_layout
+from sparkdist._checkpoint import ranks as checkpoint_ranks
+from sparkdist._checkpoint.layout import Candidate, Unreadable
+from sparkdist._checkpoint.pickles import WeightsOnlyReads, deepspeed_data_classes
 from sparkdist._core.files import fsync_directory, make_private_dirs, write_private_file
-from sparkdist._node import checkpoint_layout, checkpoint_ranks
-from sparkdist._node.checkpoint_layout import Candidate, Unreadable
-from sparkdist._node.checkpoint_pickles import WeightsOnlyReads, deepspeed_data_classes
 
 logger = logging.getLogger("sparkdist")
 

@@ -24,7 +24,8 @@ import signal
 import threading
 from collections.abc import Callable
 
-from sparkdist._node.signal_notice import SignalNotice
+from sparkdist._core.run_dir import stop_marker_path
+from sparkdist._node.host.signal_notice import SignalNotice
 from sparkdist._wire import protocol
 
 logger = logging.getLogger("sparkdist")
@@ -37,11 +38,6 @@ _callbacks: list[Callable[[str], object]] = []
 _lock = threading.Lock()
 #: This process's SIGTERM handler (a rank's main thread installs it once).
 _notice: SignalNotice | None = None
-
-
-def stop_marker_path(run_dir: str, rank: int) -> str:
-    """The file whose presence says a SIGTERM to ``rank`` is its agent's stop, not a notice."""
-    return os.path.join(run_dir, f"rank-{rank}.stop")
 
 
 def install(rank: int, run_dir: str, send: Callable[[protocol.Message], None]) -> None:

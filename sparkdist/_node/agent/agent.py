@@ -39,20 +39,27 @@ from sparkdist._core.files import (
     write_private_file,
 )
 from sparkdist._core.versions import refusal_error
-from sparkdist._node.checkpoint_reach import ReachCheck
-from sparkdist._node.driver_link import DriverLink, tell_driver_once
-from sparkdist._node.interfaces import NodeNetwork, decide_node_network
-from sparkdist._node.node_drain import NodeDrain, own_signals
-from sparkdist._node.outbox import Outbox
-from sparkdist._node.outcomes import detached_outcomes, outcome_of
-from sparkdist._node.output import pump_lines, pump_notes, stderr_noise
-from sparkdist._node.partition import partition_path, write_partition
-from sparkdist._node.preflight import refusal_of
-from sparkdist._node.rank_process import StartStop, StartStopped
-from sparkdist._node.ranks import RankHandle, end_ranks, node_extra_env, spawn_rank, wait_for_exit
-from sparkdist._node.sampler import sampling
-from sparkdist._node.spec import AgentSpec
-from sparkdist._node.watchdog import check_heartbeats, next_check_in_s
+from sparkdist._node.agent.checkpoint_reach import ReachCheck
+from sparkdist._node.agent.driver_link import DriverLink, tell_driver_once
+from sparkdist._node.agent.network import decide_node_network
+from sparkdist._node.agent.node_drain import NodeDrain, own_signals
+from sparkdist._node.agent.outbox import Outbox
+from sparkdist._node.agent.outcomes import detached_outcomes, outcome_of
+from sparkdist._node.agent.output import pump_lines, pump_notes, stderr_noise
+from sparkdist._node.agent.partition import partition_path, write_partition
+from sparkdist._node.agent.preflight import refusal_of
+from sparkdist._node.agent.ranks import (
+    RankHandle,
+    end_ranks,
+    node_extra_env,
+    spawn_rank,
+    wait_for_exit,
+)
+from sparkdist._node.agent.sampler import sampling
+from sparkdist._node.agent.spec import AgentSpec
+from sparkdist._node.agent.watchdog import check_heartbeats, next_check_in_s
+from sparkdist._node.host.interfaces import NodeNetwork
+from sparkdist._node.pool.rank_process import StartStop, StartStopped
 from sparkdist._shipping.code import unpack_code
 from sparkdist._wire import protocol
 from sparkdist._wire.payload import Outcome

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 
 from sparkdist._core.env import WORKER_POOL_VAR
 from sparkdist._core.files import sweep_dead_owners
-from sparkdist._node.rank_process import ColdProcess, RankProcess, StartStop, StartStopped
-from sparkdist._node.zygote_client import (
+from sparkdist._node.pool.rank_process import ColdProcess, RankProcess, StartStop, StartStopped
+from sparkdist._node.pool.zygote_client import (
     FORK_ANSWER_TIMEOUT_S as FORK_ANSWER_TIMEOUT_S,
 )
-from sparkdist._node.zygote_client import (
+from sparkdist._node.pool.zygote_client import (
     IMPORT_VARS,
     POOL_DIR_KIND,
     ZYGOTE_START_TIMEOUT_S,

@@ -39,7 +39,7 @@ import time
 from typing import Any
 
 from sparkdist._core.files import unix_socket_address
-from sparkdist._node.parent_death import die_with_parent
+from sparkdist._node.host.parent_death import die_with_parent
 
 _HEADER = struct.Struct(">I")
 #: Descriptors sent with each request, in order.
@@ -65,7 +65,7 @@ def main() -> None:
     import torch
     import torch.distributed  # noqa: F401
 
-    from sparkdist._node import worker as _worker  # noqa: F401
+    from sparkdist._node.rank import worker as _worker  # noqa: F401
     from sparkdist._wire import payload  # noqa: F401 - unpickling every job needs it
 
     # Move everything imported so far out of the collector's reach: a forked rank's first
@@ -264,7 +264,7 @@ def _become_rank(request: dict[str, Any], fds: list[int]) -> None:
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
     env = {str(k): str(v) for k, v in request["env"].items()}
-    from sparkdist._node import worker as _worker
+    from sparkdist._node.rank import worker as _worker
 
     env[_worker.CTRL_IN_VAR] = str(ctrl_in)
     env[_worker.CTRL_OUT_VAR] = str(ctrl_out)

@@ -17,7 +17,7 @@ import threading
 from typing import BinaryIO
 
 from sparkdist._core.env import RUN_ID_VAR
-from sparkdist._node import drain
+from sparkdist._node.rank import drain
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
 
@@ -82,7 +82,7 @@ class AgentLink:
         # setsid, a daemon carrying our environment).
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-        from sparkdist._node.reaper import end_descendants
+        from sparkdist._node.host.reaper import end_descendants
 
         own = {k: os.environ.get(k, "") for k in _OWN_VARS}
         end_descendants(own if all(own.values()) else None)

@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S
-from sparkdist._node.signal_notice import SignalNotice
+from sparkdist._node.host.signal_notice import SignalNotice
 from sparkdist._wire import protocol
 
 if TYPE_CHECKING:
-    from sparkdist._node.ranks import RankHandle
+    from sparkdist._node.agent.ranks import RankHandle
 
 #: How long past the grace the agent waits for the driver's stop before ending its own ranks:
 #: normally the driver's word comes first, and its reason names the grace.

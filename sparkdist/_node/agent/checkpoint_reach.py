@@ -23,7 +23,7 @@ import os
 
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
 from sparkdist._core.files import make_private_dirs, write_private_file
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
 
 _PREFIX = ".sparkdist-reach-"
 

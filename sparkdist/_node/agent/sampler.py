@@ -26,8 +26,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from sparkdist._node.ranks import RankHandle
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.ranks import RankHandle
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.protocol import Sample
 
 logger = logging.getLogger("sparkdist")

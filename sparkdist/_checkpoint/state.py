@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sparkdist._node.checkpoint_layout import Unreadable
+from sparkdist._checkpoint.layout import Unreadable
 
 if TYPE_CHECKING:
     import torch

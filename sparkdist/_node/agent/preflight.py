@@ -9,8 +9,8 @@ checks done before any task starts.
 from __future__ import annotations
 
 from sparkdist._core.versions import unmet_requirements
-from sparkdist._node.gpus import gpu_type_mismatch, gpus_at
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.spec import AgentSpec
+from sparkdist._node.host.gpus import gpu_type_mismatch, gpus_at
 from sparkdist._wire import protocol
 
 

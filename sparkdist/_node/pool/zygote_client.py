@@ -23,7 +23,7 @@ from typing import IO
 
 from sparkdist._core.env import ZYGOTE_VAR
 from sparkdist._core.files import make_owned_dir, unix_socket_address
-from sparkdist._node.rank_process import (
+from sparkdist._node.pool.rank_process import (
     RankProcess,
     StartStop,
     StartStopped,
@@ -90,7 +90,7 @@ class Zygote:
         env.update({k: import_env[k] for k in IMPORT_VARS if import_env.get(k)})
         env[ZYGOTE_VAR] = "1"
         self.process = subprocess.Popen(
-            python_command("sparkdist._node.zygote", self.socket_path),
+            python_command("sparkdist._node.pool.zygote", self.socket_path),
             stdin=subprocess.PIPE,  # its end of file tells the zygote we are gone
             stdout=subprocess.PIPE,
             env=env,

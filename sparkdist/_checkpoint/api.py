@@ -25,11 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+from sparkdist._checkpoint import dcp as checkpoint_io
+from sparkdist._checkpoint import deepspeed_engine as checkpoint_deepspeed
+from sparkdist._checkpoint import layout as checkpoint_layout
+from sparkdist._checkpoint import ranks as checkpoint_ranks
+from sparkdist._checkpoint.layout import Candidate, Unreadable
+from sparkdist._checkpoint.pickles import Refused, load_torch_file, refusal
+from sparkdist._checkpoint.state import fill, layout_notes
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
-from sparkdist._node import checkpoint_deepspeed, checkpoint_io, checkpoint_layout, checkpoint_ranks
-from sparkdist._node.checkpoint_layout import Candidate, Unreadable
-from sparkdist._node.checkpoint_pickles import Refused, load_torch_file, refusal
-from sparkdist._node.checkpoint_state import fill, layout_notes
 
 logger = logging.getLogger("sparkdist")
 

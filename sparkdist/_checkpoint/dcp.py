@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
+from sparkdist._checkpoint import ranks as checkpoint_ranks
+from sparkdist._checkpoint.layout import Unreadable
+from sparkdist._checkpoint.pickles import Refused, load_dcp_metadata, load_torch_file
+from sparkdist._checkpoint.state import move_tensors, restore_keys
 from sparkdist._core.files import PRIVATE_FILE_MODE, make_private_dirs
-from sparkdist._node import checkpoint_ranks
-from sparkdist._node.checkpoint_layout import Unreadable
-from sparkdist._node.checkpoint_pickles import Refused, load_dcp_metadata, load_torch_file
-from sparkdist._node.checkpoint_state import move_tensors, restore_keys
 
 # -- writing -----------------------------------------------------------------------------------
 

@@ -16,12 +16,12 @@ from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING
 
 from sparkdist._core.lines import is_c10d_hostname_warning, read_lines, shows_c10d_hostname_warning
-from sparkdist._node.outbox import Outbox
+from sparkdist._node.agent.outbox import Outbox
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import ProtocolError, Route
 
 if TYPE_CHECKING:
-    from sparkdist._node.ranks import RankHandle
+    from sparkdist._node.agent.ranks import RankHandle
 
 #: Lines kept per rank for the failure report.
 LAST_LINES = 30

@@ -39,14 +39,14 @@ from sparkdist._core.env import (
     worker_env,
 )
 from sparkdist._core.files import write_private_file
-from sparkdist._node.drain import stop_marker_path
-from sparkdist._node.interfaces import NodeNetwork
-from sparkdist._node.output import LAST_LINES
-from sparkdist._node.partition import partition_path, write_schema
-from sparkdist._node.pool import start_rank
-from sparkdist._node.rank_process import RankProcess, StartStop
-from sparkdist._node.reaper import end_processes, start_time
-from sparkdist._node.spec import AgentSpec
+from sparkdist._core.run_dir import stop_marker_path
+from sparkdist._node.agent.output import LAST_LINES
+from sparkdist._node.agent.partition import partition_path, write_schema
+from sparkdist._node.agent.spec import AgentSpec
+from sparkdist._node.host.interfaces import NodeNetwork
+from sparkdist._node.host.reaper import end_processes, start_time
+from sparkdist._node.pool.pool import start_rank
+from sparkdist._node.pool.rank_process import RankProcess, StartStop
 from sparkdist._shipping.code import put_code_first
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import Route

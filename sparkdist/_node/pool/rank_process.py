@@ -33,7 +33,7 @@ def python_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", code, *args]
 
 
-_WORKER_COMMAND = python_command("sparkdist._node.worker")
+_WORKER_COMMAND = python_command("sparkdist._node.rank.worker")
 
 
 class RankProcess:

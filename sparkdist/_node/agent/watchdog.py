@@ -1,6 +1,6 @@
 """The hang watchdog: a joined rank that stays silent (no heartbeat, no report) for
 ``heartbeat_timeout_s`` is hung. Its Python stacks are dumped into its own output (the rank
-handles ``worker.STACK_DUMP_SIGNAL``), the driver is told, and the agent ends the node.
+handles ``run_dir.STACK_DUMP_SIGNAL``), the driver is told, and the agent ends the node.
 
 Heartbeats themselves are recorded as the rank's notes arrive (``output.pump_notes``); a rank
 that has not joined yet is never hung (the rendezvous has its own timeout).
@@ -14,9 +14,9 @@ import os
 import time
 from collections.abc import Collection
 
-from sparkdist._node import worker as _worker
-from sparkdist._node.outbox import Outbox
-from sparkdist._node.ranks import RankHandle
+from sparkdist._core.run_dir import STACK_DUMP_SIGNAL
+from sparkdist._node.agent.outbox import Outbox
+from sparkdist._node.agent.ranks import RankHandle
 from sparkdist._wire import protocol
 
 #: How long a hung rank gets to print its stack dump before it is killed.
@@ -54,7 +54,7 @@ def check_heartbeats(
     for rank in silent:
         rank.hung_for_s = now - (rank.last_beat or now)
         try:
-            os.kill(rank.proc.pid, _worker.STACK_DUMP_SIGNAL)
+            os.kill(rank.proc.pid, STACK_DUMP_SIGNAL)
         except ProcessLookupError:
             pass
     # Give the dumps a moment to reach the output before the ranks are killed; the oldest

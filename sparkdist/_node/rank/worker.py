@@ -1,6 +1,6 @@
 """One rank's process: bootstrap, wait for the rendezvous port, run the job, record the outcome.
 
-Started by the agent as ``python -m sparkdist._node.worker`` with the rank's torchrun
+Started by the agent as ``python -m sparkdist._node.rank.worker`` with the rank's torchrun
 environment and two pipes: commands from the agent (``SPARKDIST_CTRL_IN``) and notices to it
 (``SPARKDIST_CTRL_OUT``), one ``protocol`` message a line (``Route.WORKER``), both ways. The
 worker starts before the rendezvous is complete, so its interpreter start-up and imports overlap
@@ -24,7 +24,6 @@ import atexit
 import faulthandler
 import os
 import runpy
-import signal
 import sys
 import time
 import traceback
@@ -33,6 +32,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
 
+from sparkdist._checkpoint.api import wait_for_pending_saves
 from sparkdist._core.env import CTRL_IN_VAR as CTRL_IN_VAR
 from sparkdist._core.env import CTRL_OUT_VAR as CTRL_OUT_VAR
 from sparkdist._core.env import (
@@ -49,22 +49,13 @@ from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
 from sparkdist._core.rendezvous import diagnose
-from sparkdist._node import agent_link, drain
-from sparkdist._node.parent_death import die_with_parent
+from sparkdist._core.run_dir import STACK_DUMP_SIGNAL, failure_path, value_path
+from sparkdist._node.host.parent_death import die_with_parent
+from sparkdist._node.rank import agent_link, drain
 from sparkdist._wire import protocol
 
 #: The store rank 0 hosts; a module global so it lives exactly as long as the process.
 _store: Any = None
-#: The signal on which a rank dumps every thread's Python stack (the hang watchdog sends it).
-STACK_DUMP_SIGNAL = signal.SIGUSR1
-
-
-def value_path(result_dir: str, rank: int) -> str:
-    return os.path.join(result_dir, f"rank-{rank}.value")
-
-
-def failure_path(result_dir: str, rank: int) -> str:
-    return os.path.join(result_dir, f"rank-{rank}.failure")
 
 
 def main() -> None:
@@ -95,7 +86,7 @@ def main() -> None:
         _prepare_mode(env)
         link.send(protocol.Ready(rank))
         if env.get(MODE_VAR) == "deepspeed":
-            from sparkdist._node.torch_extensions import prepare_deepspeed_rank
+            from sparkdist._node.rank.torch_extensions import prepare_deepspeed_rank
 
             prepare_deepspeed_rank(env)  # no wait on a dead build's lock, no op build in the run
         value = _run(job)
@@ -205,11 +196,7 @@ def _run(job: Any) -> Any:
 def _wait_for_pending_checkpoints() -> None:
     """Finish (and commit) an async ``runtime.save_checkpoint`` still writing, while the
     process group its collectives use is up; a failed write becomes this rank's failure."""
-    if "sparkdist._node.checkpoints" not in sys.modules:
-        return  # no checkpoint was saved: nothing to import or wait for
-    from sparkdist._node.checkpoints import wait_for_pending_saves
-
-    wait_for_pending_saves()
+    wait_for_pending_saves()  # imports nothing, and returns at once, when none is pending
 
 
 def _destroy_process_group() -> None:

@@ -19,9 +19,9 @@ import queue
 from collections.abc import Callable
 from typing import Any
 
-from sparkdist._node.detached import DetachedRendezvous
-from sparkdist._node.outbox import Outbox
-from sparkdist._node.spec import AgentSpec
+from sparkdist._node.agent.detached import DetachedRendezvous
+from sparkdist._node.agent.outbox import Outbox
+from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire import protocol
 from sparkdist._wire.channel import ChannelClient, ChannelClosed
 from sparkdist._wire.liveness import silence_limit_s
