@@ -293,9 +293,8 @@ class RunState:
         self.hung_since: dict[int, float] = {}
         self.failure_seen_at: dict[int, float] = {}
         self.refusals: list[str] = []
-        self.lost_nodes: list[int] = []  # in the order contact was lost
-        self.lost_heard: dict[int, float] = {}
-        self.lost_how: dict[int, str] = {}
+        #: Every node lost before its goodbye, in the order contact was lost: when and how.
+        self.lost: dict[int, NodeLost] = {}
         self.done_nodes: set[int] = set()
         self.dropped_lines = 0
         self.data_error: str | None = None
@@ -352,7 +351,7 @@ class RunState:
         """How many nodes' goodbyes to wait for once the agents ended (a lost node says
         none)."""
         expected = self.num_nodes if self.agents_failed else len(self.node_hosts)
-        return max(0, expected - len(self.lost_nodes))
+        return max(0, expected - len(self.lost))
 
     def seats_by_node(self) -> list[list[RankSeat]]:
         """Every node's ranks, numbered host by host as its agent numbered them."""
@@ -399,10 +398,8 @@ class RunState:
             self.dropped_lines += event.dropped_lines
             self._cancel_once_only_lost_remain(decisions)
         elif isinstance(event, NodeLost):
-            if event.node not in self.done_nodes and event.node not in self.lost_nodes:
-                self.lost_nodes.append(event.node)
-                self.lost_heard[event.node] = event.last_heard
-                self.lost_how[event.node] = event.how
+            if event.node not in self.done_nodes and event.node not in self.lost:
+                self.lost[event.node] = event
                 host = self.node_hosts.get(event.node)
                 self._stop(
                     StopCause.NODE_LOST,
@@ -428,9 +425,9 @@ class RunState:
         """With a node lost, once every other node that reached the channel said bye, nothing
         more can come: the lost node's task never ends on its own (a cut-off executor stays
         "running" until Spark's own timeouts, minutes), so the stage goes now."""
-        if not self.lost_nodes or self.stage_cancelled:
+        if not self.lost or self.stage_cancelled:
             return
-        if set(self.node_hosts) <= self.done_nodes | set(self.lost_nodes):
+        if set(self.node_hosts) <= self.done_nodes | set(self.lost):
             self.stage_cancelled = True
             decisions.append(CancelStage())
 

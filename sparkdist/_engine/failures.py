@@ -74,10 +74,10 @@ def stage_failure(
     }
     seats = state.seats_by_node()
     spark_saw = spark_view(str(error))
-    for node in state.lost_nodes:
+    for node, lost in state.lost.items():
         host = state.node_hosts.get(node, "")
         ranks = [seat.rank for seat in seats[node]]
-        how = state.lost_how.get(node) or CHANNEL_CLOSED
+        how = lost.how or CHANNEL_CLOSED
         for rank in ranks:
             failures.setdefault(
                 rank,
@@ -90,7 +90,7 @@ def stage_failure(
                     f"{ranks[0]}-{ranks[-1]}): the driver saw that {how}; {spark_saw}",
                     # Its last word: it went wrong after that, and anything a healthy node's
                     # ranks did when it vanished (a peer's reset in gloo) comes later.
-                    failed_at=state.lost_heard.get(node) or None,
+                    failed_at=lost.last_heard or None,
                 ),
             )
     if failures:
@@ -148,7 +148,7 @@ def root_of(
             rank, 0.0
         )
         failed_at = failure.failed_at
-        if failed_at is None and state.lost_nodes and ended_at:
+        if failed_at is None and state.lost and ended_at:
             # Against a lost node (its time: its last word), a rank's exit as its agent saw it
             # counts as it is, without the credit an abrupt death gets: a healthy node's rank
             # that died of the lost node's vanishing (a reset in gloo) exits after that word.

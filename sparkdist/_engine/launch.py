@@ -347,7 +347,7 @@ class _Attempt:
     def lost_hosts(self) -> set[str]:
         """The hosts of the nodes this attempt lost contact with (killed or cut off)."""
         state = self.monitor.state
-        return {state.node_hosts[n] for n in state.lost_nodes if n in state.node_hosts}
+        return {state.node_hosts[n] for n in state.lost if n in state.node_hosts}
 
     def close(self) -> None:
         self.server.close()

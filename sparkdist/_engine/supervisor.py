@@ -302,7 +302,7 @@ def _cancel_agents(agents: RunningAgents, monitor: RunMonitor, reason: str) -> N
         # over is no sign their ranks are gone: pyspark's own Ctrl-C handler cancels every job
         # first, and a cancelled task's agent goes on until Spark kills its Python worker.
         monitor.changed.wait_for(
-            lambda: set(state.node_hosts) <= state.done_nodes | set(state.lost_nodes),
+            lambda: set(state.node_hosts) <= state.done_nodes | set(state.lost),
             timeout=AGENT_STOP_S,
         )
     agents.cancel(reason)

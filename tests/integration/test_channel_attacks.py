@@ -37,40 +37,15 @@ from sparkdist._wire.channel import (
     ChannelServer,
     new_secret,
 )
+from tests._helpers.channel import Inbox
 
 WAIT_S = 20.0  # a loaded 2-core machine
 HOST = "127.0.0.1"
 
 
-class Inbox:
-    def __init__(self) -> None:
-        self.messages: list[protocol.Message] = []
-        self.disconnected: list[int | None] = []
-        self.cond = threading.Condition()
-        self.on_hello: Callable[[object], None] | None = None
-
-    def on_message(self, peer, message) -> None:
-        if isinstance(message, protocol.Hello):
-            peer.node = message.node
-            if self.on_hello is not None:
-                self.on_hello(peer)
-        with self.cond:
-            self.messages.append(message)
-            self.cond.notify_all()
-
-    def on_disconnect(self, peer) -> None:
-        with self.cond:
-            self.disconnected.append(peer.node)
-            self.cond.notify_all()
-
-    def wait_for(self, predicate, timeout: float = WAIT_S) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: predicate(self), timeout)
-
-
 @pytest.fixture
 def served():
-    inbox = Inbox()
+    inbox = Inbox(WAIT_S)
     secret = new_secret()
     server = ChannelServer(HOST, secret, inbox.on_message, inbox.on_disconnect)
     yield server, secret, inbox
@@ -662,7 +637,7 @@ def test_a_flood_of_slow_connections_never_keeps_a_new_agent_waiting():
 
 def test_an_agent_refuses_a_driver_without_the_secret():
     """A stranger listening where the agent expects the driver gets no proof out of it."""
-    inbox = Inbox()
+    inbox = Inbox(WAIT_S)
     server = ChannelServer(HOST, new_secret(), inbox.on_message)
     try:
         with pytest.raises(ChannelClosed, match="did not prove it knows the run's secret"):

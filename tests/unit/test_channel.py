@@ -26,38 +26,14 @@ from sparkdist._wire.channel import (
     ChannelServer,
     new_secret,
 )
+from tests._helpers.channel import Inbox
 
 WAIT_S = 10.0
 
 
-class Inbox:
-    """What a server received, with waits on events instead of sleeps."""
-
-    def __init__(self) -> None:
-        self.messages: list = []
-        self.disconnected: list = []
-        self.cond = threading.Condition()
-
-    def on_message(self, peer, message) -> None:
-        with self.cond:
-            if isinstance(message, protocol.Hello):
-                peer.node = message.node
-            self.messages.append(message)
-            self.cond.notify_all()
-
-    def on_disconnect(self, peer) -> None:
-        with self.cond:
-            self.disconnected.append(peer.node)
-            self.cond.notify_all()
-
-    def wait_for(self, predicate, timeout: float = WAIT_S) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: predicate(self), timeout)
-
-
 @pytest.fixture
 def served():
-    inbox = Inbox()
+    inbox = Inbox(WAIT_S)
     secret = new_secret()
     server = ChannelServer("127.0.0.1", secret, inbox.on_message, inbox.on_disconnect)
     yield server, secret, inbox

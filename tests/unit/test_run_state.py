@@ -239,11 +239,14 @@ def test_the_first_node_to_lose_contact_is_kept_first_with_what_was_seen():
     state.handle(NodeLost(2, T0 + 1.0, "it sent nothing for 10.0 s"), T0 + 11)
     # The nodes the launcher then stopped are consequences, whatever they report.
     state.handle(NodeLost(0, T0 + 11.5, "its control channel closed without a goodbye"), T0 + 12)
-    assert state.lost_nodes == [2, 0]
-    assert state.lost_heard == {2: T0 + 1.0, 0: T0 + 11.5}
+    assert list(state.lost) == [2, 0]
+    assert {node: lost.last_heard for node, lost in state.lost.items()} == {
+        2: T0 + 1.0,
+        0: T0 + 11.5,
+    }
     assert state.stop_reason == "lost contact with node 2 (host2): it sent nothing for 10.0 s"
     state.handle(NodeLost(2, T0 + 1.0, "again"), T0 + 13)
-    assert state.lost_nodes == [2, 0]  # a node is lost once
+    assert list(state.lost) == [2, 0]  # a node is lost once
 
 
 def test_a_lost_node_is_the_root_cause_against_a_peer_that_failed_after_its_last_word():

@@ -1,20 +1,15 @@
 """The agent: runs the ranks of one node (a barrier task, or the driver in local mode) from
-start to end and returns one ``Outcome`` per rank.
+start to end and returns one ``Outcome`` per rank. The same ``run_agent`` runs in a Spark
+barrier task and, in local mode, on a driver thread (DESIGN.md rule 7); it talks to the driver
+only through its link (``driver_link``), and failures are data here, never exceptions, so the
+driver learns every rank's fate through the same path.
 
-The same ``run_agent`` runs inside a Spark barrier task and, in local mode, on a thread of the
-driver (DESIGN.md rule 7). It talks to the driver only through its link (``driver_link``), and
-failures are data here, never exceptions, so the driver always learns every rank's fate through
-the same path.
-
-This module is the orchestration; each part lives in its own module: refusing to start
-(``preflight``), this node's address and interface (``interfaces``), starting and ending ranks
-(``ranks``, ``reaper``), pumping their output (``output``), the driver link (``driver_link``),
-the hang watchdog (``watchdog``), outcomes (``outcomes``), preemption (``node_drain``). One
-watching thread takes events (a rank exited, an abort, the driver gone, a preemption notice)
-off one queue and decides: a rank that fails on its own is reported to the driver at once and
-its node-mates are ended without waiting for the driver's word; an "abort" from the driver
-(another node failed, a timeout, Ctrl-C) ends every rank here. In local mode the driver can
-also stop the agent directly (``Agent.stop``).
+This module is the orchestration; the room's other modules are the parts (``_node.agent``'s
+docstring lists them). One watching thread takes events (a rank exited, an abort, the driver
+gone, a preemption notice) off one queue and decides: a rank that fails on its own is reported
+to the driver at once and its node-mates are ended without waiting for the driver's word; an
+"abort" from the driver (another node failed, a timeout, Ctrl-C) ends every rank here. In local
+mode the driver can also stop the agent directly (``Agent.stop``).
 
 Non-goals: deciding placement or environment (``_core.placement``, ``_core.env``), touching
 Spark.
