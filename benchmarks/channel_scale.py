@@ -52,9 +52,9 @@ from typing import Any
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from sparkdist._wire import client as client_module  # noqa: E402
 from sparkdist._wire import frames, protocol  # noqa: E402
-from sparkdist._wire.channel import ChannelClient, ChannelServer, new_secret  # noqa: E402
+from sparkdist._wire.channel import client as client_module  # noqa: E402
+from sparkdist._wire.channel.server import ChannelClient, ChannelServer, new_secret  # noqa: E402
 
 LINE_PAD = "x" * 72  # a line is ~100 bytes: stamp, node, sequence, padding
 _BUCKETS = 100_000  # latency histogram: 0.1 ms buckets up to 10 s

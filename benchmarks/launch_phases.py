@@ -126,7 +126,7 @@ def instrument(rec: Recorder) -> None:
         ("sparkdist._backends.spark", "SparkBackend.place", "prepare: place"),
         ("sparkdist._engine.launch", "make_plan", "prepare: plan"),
         ("sparkdist._tracking.tracker", "RunTracker.__init__", "tracker start"),
-        ("sparkdist._wire.channel", "ChannelServer.__init__", "channel start"),
+        ("sparkdist._wire.channel.server", "ChannelServer.__init__", "channel start"),
         ("sparkdist._backends.local", "LocalBackend.start", "backend start"),
         ("sparkdist._backends.spark", "SparkBackend.start", "backend start"),
         ("sparkdist._node.agent.agent", "Agent.run", "agent run (total)"),
@@ -150,7 +150,7 @@ def instrument(rec: Recorder) -> None:
         ("sparkdist._engine.launch", "supervise", "driver: supervise"),
         ("sparkdist._engine.launch", "result_of", "driver: results (unpickle)"),
         ("sparkdist._tracking.tracker", "RunTracker.close", "driver: tracker close"),
-        ("sparkdist._wire.channel", "ChannelServer.close", "driver: channel close"),
+        ("sparkdist._wire.channel.server", "ChannelServer.close", "driver: channel close"),
     ]
     for module_name, attribute, label in steps:
         rec.wrap(module_name, attribute, label)

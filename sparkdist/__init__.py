@@ -15,7 +15,6 @@ if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
     from typing import Any
 
     from sparkdist import runtime as runtime
-    from sparkdist._core.config import Mode as Mode
     from sparkdist._core.errors import Attempt as Attempt
     from sparkdist._core.errors import ClusterError as ClusterError
     from sparkdist._core.errors import ConfigError as ConfigError
@@ -25,8 +24,9 @@ if TYPE_CHECKING:  # what each lazy name is, for type checkers and IDEs
     from sparkdist._core.errors import RunTimeoutError as RunTimeoutError
     from sparkdist._core.errors import SparkdistError as SparkdistError
     from sparkdist._core.errors import WorkerFailedError as WorkerFailedError
-    from sparkdist._core.gpu_type import GPUType as GPUType
-    from sparkdist._core.result import RunResult as RunResult
+    from sparkdist._core.launch.config import Mode as Mode
+    from sparkdist._core.launch.gpu_type import GPUType as GPUType
+    from sparkdist._core.run.result import RunResult as RunResult
     from sparkdist._engine.handle import DistributedRun as DistributedRun
     from sparkdist._pyspark_compat import DeepspeedTorchDistributor as DeepspeedTorchDistributor
     from sparkdist._pyspark_compat import TorchDistributor as TorchDistributor
@@ -44,12 +44,12 @@ _HOMES = {
     "DeepspeedTorchDistributor": "sparkdist._pyspark_compat",
     "DistributedRun": "sparkdist._engine.handle",
     "Distributor": "sparkdist.distributor",
-    "GPUType": "sparkdist._core.gpu_type",
-    "Mode": "sparkdist._core.config",
+    "GPUType": "sparkdist._core.launch.gpu_type",
+    "Mode": "sparkdist._core.launch.config",
     "Attempt": "sparkdist._core.errors",
     "RankFailure": "sparkdist._core.errors",
     "RendezvousError": "sparkdist._core.errors",
-    "RunResult": "sparkdist._core.result",
+    "RunResult": "sparkdist._core.run.result",
     "RunTimeoutError": "sparkdist._core.errors",
     "SparkdistError": "sparkdist._core.errors",
     "TorchDistributor": "sparkdist._pyspark_compat",

@@ -21,15 +21,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkdist._backends import spark_driver
-from sparkdist._core.config import Mode
 from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
-from sparkdist._core.placement import (
+from sparkdist._core.launch.config import Mode
+from sparkdist._core.launch.placement import (
     DEEPSPEED_IGNORE_SSL_KEY,
     TORCH_IGNORE_SSL_KEY,
     check_ssl,
     count_like_pyspark,
 )
-from sparkdist._core.result import RunResult
+from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.launch import launch
 from sparkdist._node.host.gpus import visible_gpus

@@ -26,13 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparkdist._core.config import OPTION_NAMES, LaunchConfig, Mode, build_config
 from sparkdist._core.errors import (
     ConfigError,
     RunTimeoutError,
     SparkdistError,
     WorkerFailedError,
 )
+from sparkdist._core.launch.config import OPTION_NAMES, LaunchConfig, Mode, build_config
 from sparkdist._frontdoors.cli_parser import build_parser, cli_flag, script_args
 
 if TYPE_CHECKING:

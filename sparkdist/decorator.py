@@ -28,8 +28,9 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, ParamSpec, TypeVar
 
-from sparkdist._core.checks import check_launchable
-from sparkdist._core.config import (
+from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
+from sparkdist._core.launch.checks import check_launchable
+from sparkdist._core.launch.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_PREEMPTION_GRACE_S,
@@ -41,9 +42,8 @@ from sparkdist._core.config import (
     Mode,
     build_config,
 )
-from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
-from sparkdist._core.gpu_type import GPUType
-from sparkdist._core.placement import TASK_GPU_KEY
+from sparkdist._core.launch.gpu_type import GPUType
+from sparkdist._core.launch.placement import TASK_GPU_KEY
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.handle import DistributedRun, every_value
 from sparkdist._engine.launch import Launch

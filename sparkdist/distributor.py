@@ -16,8 +16,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparkdist._core.checks import check_launchable
-from sparkdist._core.config import (
+from sparkdist._core.errors import ConfigError, SparkdistError
+from sparkdist._core.launch.checks import check_launchable
+from sparkdist._core.launch.config import (
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_PREEMPTION_GRACE_S,
@@ -28,10 +29,9 @@ from sparkdist._core.config import (
     Mode,
     build_config,
 )
-from sparkdist._core.errors import ConfigError, SparkdistError
-from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
-from sparkdist._core.plan import LaunchPlan
-from sparkdist._core.result import RunResult
+from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY
+from sparkdist._core.launch.plan import LaunchPlan
+from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.handle import DistributedRun, rank0_value
 from sparkdist._engine.launch import Launch, launch

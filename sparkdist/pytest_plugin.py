@@ -51,7 +51,7 @@ import pytest
 from sparkdist._frontdoors import pytest_support as support
 
 if TYPE_CHECKING:
-    from sparkdist._core.result import RunResult
+    from sparkdist._core.run.result import RunResult
 
 __all__ = ["DistributedRunner", "RunnerFactory"]
 
@@ -434,8 +434,8 @@ class DistributedRunner:
         session_marker: str,
         options: Mapping[str, Any],
     ) -> None:
-        from sparkdist._core.config import build_config
         from sparkdist._core.env import check_user_env
+        from sparkdist._core.launch.config import build_config
 
         env = check_user_env(options.get("env") or {})  # the user's env, checked as theirs
         env[support.SESSION_MARKER_VAR] = session_marker

@@ -17,9 +17,9 @@ import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
 
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import Placement
-from sparkdist._core.plan import BackendKind
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.launch.plan import BackendKind
 from sparkdist._core.versions import Requirement
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.payload import Outcome

@@ -12,9 +12,9 @@ from sparkdist._backends.base import Backend
 from sparkdist._backends.local import LocalBackend
 from sparkdist._backends.session import is_connect
 from sparkdist._backends.spark import ConnectBackend, SparkBackend
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import ConfigError
-from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY
 
 
 def select_backend(

@@ -16,10 +16,10 @@ from typing import Any
 
 from sparkdist._backends import spark_driver
 from sparkdist._backends.base import RunningAgents
-from sparkdist._core.config import LaunchConfig, Mode
 from sparkdist._core.errors import ClusterError, ConfigError
-from sparkdist._core.placement import Placement, place_local
-from sparkdist._core.plan import BackendKind
+from sparkdist._core.launch.config import LaunchConfig, Mode
+from sparkdist._core.launch.placement import Placement, place_local
+from sparkdist._core.launch.plan import BackendKind
 from sparkdist._core.versions import Requirement, check_local
 from sparkdist._node.agent.agent import Agent
 from sparkdist._node.agent.spec import AgentSpec

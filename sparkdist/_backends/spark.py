@@ -19,16 +19,16 @@ from sparkdist._backends import capacity, spark_driver
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.decommission import DECOMMISSION_KEY, DecommissionWatch
 from sparkdist._backends.stage import BarrierStage
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import CONTROL_CHANNEL_VAR
-from sparkdist._core.placement import (
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import (
     TORCH_IGNORE_SSL_KEY,
     Placement,
     check_cluster_conf,
     place_on_cluster,
     shrink_to_slots,
 )
-from sparkdist._core.plan import BackendKind
+from sparkdist._core.launch.plan import BackendKind
 from sparkdist._core.versions import Requirement
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.payload import loads

@@ -21,10 +21,10 @@ from typing import Any
 from sparkdist._backends.session import active_session as active_session
 from sparkdist._backends.session import get_or_create_session as get_or_create_session
 from sparkdist._backends.session import is_connect
-from sparkdist._core.config import DEFAULT_START_TIMEOUT_S
 from sparkdist._core.env import DRIVER_HOST_VAR
 from sparkdist._core.errors import ClusterError
-from sparkdist._core.placement import check_barrier_slots, estimate_barrier_slots
+from sparkdist._core.launch.config import DEFAULT_START_TIMEOUT_S
+from sparkdist._core.launch.placement import check_barrier_slots, estimate_barrier_slots
 
 logger = logging.getLogger("sparkdist")
 

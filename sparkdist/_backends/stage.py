@@ -29,7 +29,7 @@ from sparkdist._backends.job_file import (
 from sparkdist._backends.session import is_connect
 from sparkdist._core.addresses import task_host
 from sparkdist._core.errors import ClusterError
-from sparkdist._core.placement import cuda_visible_devices
+from sparkdist._core.launch.placement import cuda_visible_devices
 from sparkdist._node.agent.agent import run_agent
 from sparkdist._node.agent.spec import AgentSpec
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from sparkdist._core.addresses import ip_literal, is_loopback
 from sparkdist._doctor.table import Check, Status
-from sparkdist._wire.client import CONNECT_TIMEOUT_S as CHANNEL_CONNECT_TIMEOUT_S
+from sparkdist._wire.channel.client import CONNECT_TIMEOUT_S as CHANNEL_CONNECT_TIMEOUT_S
 
 CHECK_NAME = "cluster network"
 _ORDER = {Status.OK: 0, Status.NOTE: 1, Status.PROBLEM: 2}

@@ -20,9 +20,9 @@ import sys
 import time
 from collections.abc import Mapping
 
-from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S, LaunchConfig
 from sparkdist._core.errors import ClusterError, ConfigError
-from sparkdist._core.placement import (
+from sparkdist._core.launch.config import DEFAULT_PREEMPTION_GRACE_S, LaunchConfig
+from sparkdist._core.launch.placement import (
     TASK_GPU_KEY,
     TORCH_IGNORE_SSL_KEY,
     check_cluster_conf,

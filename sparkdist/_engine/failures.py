@@ -18,7 +18,7 @@ from sparkdist._core.errors import (
     RunTimeoutError,
     WorkerFailedError,
 )
-from sparkdist._core.run_state import (
+from sparkdist._core.run.run_state import (
     CHANNEL_CLOSED,
     FailureTiming,
     RunState,

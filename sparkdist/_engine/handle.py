@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from sparkdist._core.errors import SparkdistError
-from sparkdist._core.result import RunResult
+from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.launch import Launch
 

@@ -28,19 +28,19 @@ from typing import Any
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.job_file import JobFile, sweep_job_leftovers
 from sparkdist._checkpoint.layout import newest_step
-from sparkdist._core.attempts import (
+from sparkdist._core.errors import Attempt, WorkerFailedError
+from sparkdist._core.files import make_private_dirs
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY, Placement
+from sparkdist._core.run.attempts import (
     attempt_of,
     failed_attempts,
     final_error,
     hosts_to_avoid,
     preemption_error,
 )
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.errors import Attempt, WorkerFailedError
-from sparkdist._core.files import make_private_dirs
-from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY, Placement
-from sparkdist._core.result import RunResult
-from sparkdist._core.run_state import Deadlines
+from sparkdist._core.run.result import RunResult
+from sparkdist._core.run.run_state import Deadlines
 from sparkdist._engine.prepare import prepare
 from sparkdist._engine.rank_lines import warn_lines_dropped
 from sparkdist._engine.supervisor import (
@@ -52,7 +52,7 @@ from sparkdist._engine.supervisor import (
 )
 from sparkdist._node.host.signal_notice import notices_during
 from sparkdist._tracking.tracker import RunTracker
-from sparkdist._wire.channel import ChannelServer, new_secret
+from sparkdist._wire.channel.server import ChannelServer, new_secret
 from sparkdist._wire.payload import Job
 
 logger = logging.getLogger("sparkdist")

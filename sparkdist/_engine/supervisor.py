@@ -18,15 +18,15 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdist._backends.base import RunningAgents
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import (
     ClusterError,
     ConfigError,
     RankFailure,
 )
-from sparkdist._core.placement import Placement
-from sparkdist._core.result import RunResult
-from sparkdist._core.run_state import (
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.run.result import RunResult
+from sparkdist._core.run.run_state import (
     CALLER_STOPS,
     CHANNEL_CLOSED,
     AbortAll,
@@ -59,8 +59,8 @@ from sparkdist._engine.rank_lines import print_rank_line as _print_rank_line
 from sparkdist._engine.rank_lines import warn_output_unconfirmed
 from sparkdist._tracking.run_watch import spawn_timeline
 from sparkdist._wire import protocol
-from sparkdist._wire.channel import ChannelServer, Peer
-from sparkdist._wire.liveness import silence_limit_s
+from sparkdist._wire.channel.liveness import silence_limit_s
+from sparkdist._wire.channel.server import ChannelServer, Peer
 from sparkdist._wire.payload import Outcome, loads, release_values
 
 logger = logging.getLogger("sparkdist")

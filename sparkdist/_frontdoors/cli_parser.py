@@ -9,7 +9,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from sparkdist._core.config import OPTIONS, CliKind, CliSpelling, Option, option
+from sparkdist._core.launch.config import OPTIONS, CliKind, CliSpelling, Option, option
 
 _RUN_EXAMPLES = """\
 examples:

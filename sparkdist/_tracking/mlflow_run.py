@@ -34,7 +34,6 @@ import time
 from typing import Any
 from urllib.parse import urlparse
 
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import (
     MLFLOW_EXPERIMENT_ID_VAR,
     MLFLOW_EXPERIMENT_NAME_VAR,
@@ -42,7 +41,8 @@ from sparkdist._core.env import (
     MLFLOW_TRACKING_URI_VAR,
 )
 from sparkdist._core.errors import WorkerFailedError
-from sparkdist._core.placement import Placement
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
 from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_store import (
     DEFAULT_TRACKING_URI,

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from sparkdist._core.env import PROGRESS_INTERVAL_VAR
-from sparkdist._core.stragglers import RateSpread
+from sparkdist._core.run.stragglers import RateSpread
 
 #: Seconds between two plain progress lines (overridable with SPARKDIST_PROGRESS_INTERVAL_S).
 LINE_INTERVAL_S = 10.0

@@ -16,11 +16,11 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.numbering import known_task_hosts, task_of_rank
-from sparkdist._core.placement import Placement
-from sparkdist._core.result import RankTimeline, SystemSample
-from sparkdist._core.stragglers import RateSpread, StragglerEvent, StragglerWatch, Straggling
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.numbering import known_task_hosts, task_of_rank
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.run.result import RankTimeline, SystemSample
+from sparkdist._core.run.stragglers import RateSpread, StragglerEvent, StragglerWatch, Straggling
 from sparkdist._wire.payload import Outcome
 from sparkdist._wire.protocol import Report, Sample
 

@@ -20,10 +20,10 @@ import os
 import tempfile
 import threading
 
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import Placement
-from sparkdist._core.result import RunResult
-from sparkdist._core.stragglers import RateSpread, StragglerEvent, Straggling
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.run.result import RunResult
+from sparkdist._core.run.stragglers import RateSpread, StragglerEvent, Straggling
 from sparkdist._tracking.hooks import AttemptHooks
 from sparkdist._tracking.mlflow_run import MlflowRun
 from sparkdist._tracking.mlflow_store import TRACKING_VAR, tracking_wanted

@@ -29,8 +29,8 @@ import pytest
 
 from sparkdist._core.env import ROWS_PER_RANK_VAR
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.admission import HANDSHAKE_DEADLINE_S
-from sparkdist._wire.channel import (
+from sparkdist._wire.channel.admission import HANDSHAKE_DEADLINE_S
+from sparkdist._wire.channel.server import (
     CLOSE_TIMEOUT_S,
     ChannelClient,
     ChannelClosed,
@@ -366,7 +366,7 @@ import json, resource, sys, threading, time
 _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), hard))
 from sparkdist._wire import protocol
-from sparkdist._wire.channel import ChannelServer, new_secret
+from sparkdist._wire.channel.server import ChannelServer, new_secret
 
 def on_message(peer, message):
     if isinstance(message, protocol.Hello):

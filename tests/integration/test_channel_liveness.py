@@ -11,7 +11,7 @@ import time
 import pytest
 
 from sparkdist._wire import protocol
-from sparkdist._wire.channel import ChannelClient, ChannelServer, Peer, new_secret
+from sparkdist._wire.channel.server import ChannelClient, ChannelServer, Peer, new_secret
 
 HOST = "127.0.0.1"
 LIMIT_S = 1.5

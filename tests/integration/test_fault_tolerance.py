@@ -18,7 +18,7 @@ from sparkdist import (
     SparkdistError,
     WorkerFailedError,
 )
-from sparkdist._core.config import LaunchConfig
+from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
 from tests.conftest import run_processes

@@ -26,7 +26,7 @@ import pytest
 from sparkdist import Distributor, WorkerFailedError
 from sparkdist._backends.job_file import sweep_job_leftovers
 from sparkdist._core import files
-from sparkdist._core.config import LaunchConfig
+from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
 from tests.conftest import FAST_JVM_OPTIONS, REPO, _stop_session, run_processes

@@ -103,7 +103,7 @@ def test_killed_executor_jvm_fails_the_run_and_leaves_nothing(spark_cluster):
 
     import psutil
 
-    from sparkdist._core.config import LaunchConfig
+    from sparkdist._core.launch.config import LaunchConfig
     from sparkdist._engine.launch import Launch
     from sparkdist.distributor import make_job
     from tests.conftest import SESSION_MARKER

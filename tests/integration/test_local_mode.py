@@ -286,7 +286,7 @@ def test_works_with_no_spark_session(no_spark):
 
 def test_a_long_silence_loses_no_output(monkeypatch, capfd):
     """The channel's send timeout must never apply to reads: a quiet node is not a lost one."""
-    import sparkdist._wire.client as client
+    import sparkdist._wire.channel.client as client
 
     monkeypatch.setattr(client, "SEND_TIMEOUT_S", 1.0)
 

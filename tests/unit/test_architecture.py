@@ -28,13 +28,13 @@ LAYERS = [
 ]
 #: Modules allowed past ~400 lines, each with the reason.
 LONG_MODULES = {
-    "_core/run_state.py": "events, decisions and the machine read together",
-    "_core/config.py": "the option table and the one LaunchConfig",
+    "_core/run/run_state.py": "events, decisions and the machine read together",
+    "_core/launch/config.py": "the option table and the one LaunchConfig",
     "decorator.py": "public API with long docstrings and examples",
     "runtime.py": "public API with long docstrings and examples",
     "pytest_plugin.py": "pytest hooks and fixtures with their help texts",
     "_tracking/mlflow_run.py": "the MLflow run's life on its own thread",
-    "_wire/client.py": "the agent's I/O loop",
+    "_wire/channel/client.py": "the agent's I/O loop",
     "_wire/protocol.py": "every kind's field table beside the one codec that reads it",
     # Next: the /proc scans (processes, host files) into a module of their own.
     "_lab/holder.py": "the lab's request table: every operation beside the one server",
@@ -114,7 +114,7 @@ def test_modules_stay_small() -> None:
 
 
 def module_name(path: Path) -> str:
-    """``sparkdist/_core/config.py`` -> ``sparkdist._core.config``; a package is its folder."""
+    """``sparkdist/_core/env.py`` -> ``sparkdist._core.env``; a package is its folder."""
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

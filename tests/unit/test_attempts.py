@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 import pickle
 
-from sparkdist._core.attempts import (
+from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
+from sparkdist._core.run.attempts import (
     PREEMPTIONS_IN_A_ROW,
     attempt_of,
     failed_attempts,
@@ -15,8 +16,7 @@ from sparkdist._core.attempts import (
     preemption_error,
     start_failures_stop,
 )
-from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
-from sparkdist._core.run_state import (
+from sparkdist._core.run.run_state import (
     Deadlines,
     NodeHello,
     PreemptionNotice,

@@ -15,10 +15,10 @@ import time
 import pytest
 
 from sparkdist._node.agent.outbox import Outbox
-from sparkdist._wire import client as client_module
-from sparkdist._wire import dispatch as dispatch_module
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.channel import (
+from sparkdist._wire.channel import client as client_module
+from sparkdist._wire.channel import dispatch as dispatch_module
+from sparkdist._wire.channel.server import (
     CLOSE_TIMEOUT_S,
     MAX_HANDSHAKE_BYTES,
     ChannelClient,
@@ -408,7 +408,7 @@ def test_outbox_drops_an_oversized_report_and_stays_connected(served, caplog):
 
 
 def test_an_agent_that_stops_reading_is_dropped_not_waited_for(served, monkeypatch):
-    import sparkdist._wire.peer as peer
+    import sparkdist._wire.channel.peer as peer
 
     server, secret, inbox = served
     monkeypatch.setattr(peer, "MAX_PEER_BACKLOG_BYTES", 1 << 20)

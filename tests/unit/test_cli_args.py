@@ -15,7 +15,7 @@ from sparkdist import (
     RunTimeoutError,
     WorkerFailedError,
 )
-from sparkdist._core.config import build_config
+from sparkdist._core.launch.config import build_config
 from sparkdist.cli import (
     RunRequest,
     build_parser,

@@ -9,8 +9,12 @@ from pathlib import Path
 import pytest
 
 from sparkdist._backends.session import read_properties
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import TORCH_IGNORE_SSL_KEY, check_cluster_conf, place_on_cluster
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import (
+    TORCH_IGNORE_SSL_KEY,
+    check_cluster_conf,
+    place_on_cluster,
+)
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

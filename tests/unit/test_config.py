@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparkdist import ConfigError, Distributor, Mode, TorchDistributor
-from sparkdist._core.config import LaunchConfig
+from sparkdist._core.launch.config import LaunchConfig
 
 
 @pytest.mark.parametrize("n", [0, -1, 1.5, "2", True, None])

@@ -17,8 +17,6 @@ import psutil
 import pytest
 
 from sparkdist import ConfigError, Distributor, distributed
-from sparkdist._core.checks import CPU_OVERSUBSCRIBE_FACTOR, check_launchable
-from sparkdist._core.config import build_config
 from sparkdist._core.env import (
     CTRL_IN_VAR,
     CTRL_OUT_VAR,
@@ -32,6 +30,8 @@ from sparkdist._core.env import (
     worker_env,
 )
 from sparkdist._core.errors import ConfigTypeError
+from sparkdist._core.launch.checks import CPU_OVERSUBSCRIBE_FACTOR, check_launchable
+from sparkdist._core.launch.config import build_config
 from sparkdist.cli import main
 
 TOO_MANY = CPU_OVERSUBSCRIBE_FACTOR * (os.cpu_count() or 1) + 1

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from sparkdist import ConfigError, Distributor, distributed
-from sparkdist._core.config import OPTION_NAMES, OPTIONS, CliKind, LaunchConfig, build_config
 from sparkdist._core.errors import ConfigTypeError
+from sparkdist._core.launch.config import OPTION_NAMES, OPTIONS, CliKind, LaunchConfig, build_config
 from sparkdist._frontdoors.cli_parser import HAND_SPELLED, build_parser
 from sparkdist._frontdoors.pytest_support import DEFAULT_TIMEOUT_S, SESSION_MARKER_VAR
 from sparkdist.cli import run_request

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdist._wire.liveness import (
+from sparkdist._wire.channel.liveness import (
     BEAT_INTERVAL_S,
     MIN_SILENCE_LIMIT_S,
     SILENCE_LIMIT_S,

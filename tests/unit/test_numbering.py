@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sparkdist._core.env import RankSeat, device_index, worker_env
-from sparkdist._core.numbering import (
+from sparkdist._core.launch.numbering import (
     groups_across_hosts_warning,
     host_groups,
     host_visible_devices,
@@ -17,7 +17,7 @@ from sparkdist._core.numbering import (
     shard_groups_across_hosts,
     task_of_rank,
 )
-from sparkdist._core.run_state import Deadlines, NodeHello, RunState, SendRendezvous, StoreReady
+from sparkdist._core.run.run_state import Deadlines, NodeHello, RunState, SendRendezvous, StoreReady
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import Route

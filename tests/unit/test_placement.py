@@ -8,8 +8,8 @@ import pytest
 
 from sparkdist import ClusterError, ConfigError
 from sparkdist._backends.capacity import usable_slots
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import (
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import (
     Placement,
     PysparkCount,
     check_barrier_slots,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import Placement
-from sparkdist._core.plan import BackendKind, make_plan
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.launch.plan import BackendKind, make_plan
 
 
 def plan_for(config: LaunchConfig, placement: Placement, backend=BackendKind.LOCAL, **kw):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sparkdist._core.rendezvous import DOCTOR_HINT, Diagnosis, diagnose
+from sparkdist._core.run.rendezvous import DOCTOR_HINT, Diagnosis, diagnose
 
 NETWORK_ERROR = "torch.distributed.DistNetworkError"
 STORE_ERROR = "torch.distributed.DistStoreError"

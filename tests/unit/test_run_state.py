@@ -7,7 +7,7 @@ import json
 import pytest
 
 from sparkdist._core.env import ROWS_PER_RANK_VAR
-from sparkdist._core.run_state import (
+from sparkdist._core.run.run_state import (
     ABRUPT_DEATH_SLACK_S,
     AbortAll,
     AgentsEnded,

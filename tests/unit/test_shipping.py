@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from sparkdist import ClusterError, ConfigError
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.run_state import Deadlines
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.run.run_state import Deadlines
 from sparkdist._core.versions import (
     Refusal,
     Requirement,

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from sparkdist._core.stragglers import (
+from sparkdist._core.run.stragglers import (
     DEFAULT_STRAGGLER_FRACTION,
     DEFAULT_STRAGGLER_WINDOW_S,
     Recovered,

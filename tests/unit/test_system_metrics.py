@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkdist._core.config import build_config
-from sparkdist._core.placement import Placement
-from sparkdist._core.result import RankTimeline, RunResult, SystemSample
-from sparkdist._core.stragglers import RateSpread, Straggling
+from sparkdist._core.launch.config import build_config
+from sparkdist._core.launch.placement import Placement
+from sparkdist._core.run.result import RankTimeline, RunResult, SystemSample
+from sparkdist._core.run.stragglers import RateSpread, Straggling
 from sparkdist._node.agent.sampler import NodeSampler
 from sparkdist._tracking import progress
 from sparkdist._tracking.run_watch import RunWatch

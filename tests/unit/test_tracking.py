@@ -10,8 +10,8 @@ import time
 import pytest
 
 from sparkdist import ConfigError, RankFailure, RunTimeoutError, WorkerFailedError
-from sparkdist._core.config import LaunchConfig
-from sparkdist._core.placement import Placement
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import Placement
 from sparkdist._tracking.mlflow_run import outcome_tags, tracking_uri
 from sparkdist._tracking.progress import ProgressDisplay
 from sparkdist._tracking.tracker import RunTracker, tracking_wanted

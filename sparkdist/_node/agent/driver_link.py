@@ -23,8 +23,8 @@ from sparkdist._node.agent.detached import DetachedRendezvous
 from sparkdist._node.agent.outbox import Outbox
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire import protocol
-from sparkdist._wire.channel import ChannelClient, ChannelClosed
-from sparkdist._wire.liveness import silence_limit_s
+from sparkdist._wire.channel.liveness import silence_limit_s
+from sparkdist._wire.channel.server import ChannelClient, ChannelClosed
 
 logger = logging.getLogger("sparkdist")
 

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S
+from sparkdist._core.launch.config import DEFAULT_PREEMPTION_GRACE_S
 from sparkdist._node.host.signal_notice import SignalNotice
 from sparkdist._wire import protocol
 

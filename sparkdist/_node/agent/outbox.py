@@ -19,7 +19,7 @@ import threading
 import time
 
 from sparkdist._wire import protocol
-from sparkdist._wire.client import POST_QUEUE, ChannelClient, ChannelClosed
+from sparkdist._wire.channel.client import POST_QUEUE, ChannelClient, ChannelClosed
 
 logger = logging.getLogger("sparkdist")
 

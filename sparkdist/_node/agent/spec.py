@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from sparkdist._core.env import RankSeat
-from sparkdist._core.numbering import (
+from sparkdist._core.launch.numbering import (
     host_groups,
     host_visible_devices,
     seats_of_placeholder_hosts,

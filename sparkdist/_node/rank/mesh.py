@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from sparkdist._core.env import RANKS_PER_HOST_VAR
-from sparkdist._core.numbering import groups_across_hosts_warning
+from sparkdist._core.launch.numbering import groups_across_hosts_warning
 from sparkdist._core.world import global_rank, initialized_dist, uses_cuda, world_size
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ from sparkdist._core.env import JOB_FILE_VAR as JOB_FILE_VAR
 from sparkdist._core.env import RESULT_DIR_VAR as RESULT_DIR_VAR
 from sparkdist._core.env import START_TIMEOUT_VAR as START_TIMEOUT_VAR
 from sparkdist._core.errors import RankFailure
-from sparkdist._core.rendezvous import diagnose
+from sparkdist._core.run.rendezvous import diagnose
 from sparkdist._core.run_dir import STACK_DUMP_SIGNAL, failure_path, value_path
 from sparkdist._node.host.parent_death import die_with_parent
 from sparkdist._node.rank import agent_link, drain

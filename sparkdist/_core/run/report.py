@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sparkdist._core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from sparkdist._core.result import RunResult
+    from sparkdist._core.run.result import RunResult
 
 #: Most ranks drawn one bar each; a larger world draws the first ones and says so.
 MAX_DRAWN_RANKS = 64

@@ -24,7 +24,7 @@ import collections
 from collections.abc import Sequence
 
 from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
-from sparkdist._core.run_state import RunState
+from sparkdist._core.run.run_state import RunState
 
 #: A host where this many attempts' root causes struck is avoided for the rest of the run.
 HOST_FAILURES_TO_AVOID = 2

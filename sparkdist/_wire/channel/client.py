@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.liveness import Liveness
+from sparkdist._wire.channel.liveness import Liveness
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
 logger = logging.getLogger("sparkdist")

@@ -13,8 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.errors import ClusterError, ConfigError
+from sparkdist._core.launch.config import LaunchConfig
 
 TASK_GPU_KEY = "spark.task.resource.gpu.amount"
 DRIVER_GPU_KEY = "spark.driver.resource.gpu.amount"

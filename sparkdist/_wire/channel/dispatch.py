@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable
 
 from sparkdist._wire import protocol
-from sparkdist._wire.client import ChannelClosed
-from sparkdist._wire.peer import Peer
+from sparkdist._wire.channel.client import ChannelClosed
+from sparkdist._wire.channel.peer import Peer
 
 logger = logging.getLogger("sparkdist")
 

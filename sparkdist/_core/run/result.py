@@ -128,6 +128,6 @@ class RunResult:
             >>> result.save_report("run.png")  # doctest: +SKIP
             'run.png'
         """
-        from sparkdist._core.report import render_report
+        from sparkdist._core.run.report import render_report
 
         return render_report(self, os.fspath(path))

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.client import ChannelClosed
-from sparkdist._wire.liveness import Liveness
+from sparkdist._wire.channel.client import ChannelClosed
+from sparkdist._wire.channel.liveness import Liveness
 from sparkdist._wire.protocol import Route
 
 #: Bytes waiting to be sent to one agent before it counts as gone (it stopped reading).

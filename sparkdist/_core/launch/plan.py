@@ -17,15 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sparkdist._core.addresses import is_loopback
-from sparkdist._core.config import LaunchConfig
 from sparkdist._core.env import (
     CHECKPOINT_DIR_VAR,
     SOCKET_IFNAME_VARS,
     RankSeat,
     worker_env,
 )
-from sparkdist._core.numbering import seats_of_placeholder_hosts
-from sparkdist._core.placement import Placement
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.numbering import seats_of_placeholder_hosts
+from sparkdist._core.launch.placement import Placement
 
 #: Stands for values only known once the run starts (rank 0's store port, the run id...).
 LATER = "<at start>"

@@ -36,12 +36,12 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdist._wire import frames, protocol
-from sparkdist._wire.admission import Admission, Pending, close_quietly, listen
-from sparkdist._wire.client import ChannelClient, ChannelClosed
-from sparkdist._wire.dispatch import Dispatcher, Item
+from sparkdist._wire.channel.admission import Admission, Pending, close_quietly, listen
+from sparkdist._wire.channel.client import ChannelClient, ChannelClosed
+from sparkdist._wire.channel.dispatch import Dispatcher, Item
+from sparkdist._wire.channel.liveness import BEAT_INTERVAL_S
+from sparkdist._wire.channel.peer import Peer
 from sparkdist._wire.frames import new_secret
-from sparkdist._wire.liveness import BEAT_INTERVAL_S
-from sparkdist._wire.peer import Peer
 from sparkdist._wire.protocol import MAX_HANDSHAKE_BYTES, ProtocolError, Route
 
 __all__ = [

@@ -23,7 +23,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparkdist._core.checks import (
+from sparkdist._core.env import check_user_env
+from sparkdist._core.errors import ConfigError, ConfigTypeError
+from sparkdist._core.launch.checks import (
     CPU_OVERSUBSCRIBE_FACTOR,
     check_bool,
     check_job_sizes,
@@ -35,13 +37,11 @@ from sparkdist._core.checks import (
     requirement_list,
     shown,
 )
-from sparkdist._core.env import check_user_env
-from sparkdist._core.errors import ConfigError, ConfigTypeError
-from sparkdist._core.gpu_type import GPUType
-from sparkdist._core.stragglers import (
+from sparkdist._core.launch.gpu_type import GPUType
+from sparkdist._core.run.stragglers import (
     DEFAULT_STRAGGLER_FRACTION as DEFAULT_STRAGGLER_FRACTION,  # re-exported: an option's default
 )
-from sparkdist._core.stragglers import (
+from sparkdist._core.run.stragglers import (
     DEFAULT_STRAGGLER_WINDOW_S as DEFAULT_STRAGGLER_WINDOW_S,
 )
 from sparkdist._core.versions import parse_requirements

@@ -22,9 +22,9 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sparkdist._core.config import DEFAULT_PREEMPTION_GRACE_S
 from sparkdist._core.env import ROWS_PER_RANK_VAR, RankSeat
-from sparkdist._core.numbering import isolated_gpus_warning, known_task_hosts, seats_by_task
+from sparkdist._core.launch.config import DEFAULT_PREEMPTION_GRACE_S
+from sparkdist._core.launch.numbering import isolated_gpus_warning, known_task_hosts, seats_by_task
 
 #: A rank that died without raising (a signal, ``os._exit``) has no timestamp of its own; its
 #: agent saw it exit a little after the fact, while a peer that lost it in a collective may
