@@ -40,7 +40,8 @@ def test_identical_failures_are_one_line_and_sparkdists_frames_are_hidden(monkey
     printed = "".join(traceback.format_exception(error))
     assert "sparkdist/_" not in printed and "sparkdist/runtime.py" not in printed, printed
     assert "sparkdist.WorkerFailedError: ranks 0, 1 failed" in printed
-    assert "sparkdist/runtime.py" in error.root_cause.traceback  # kept, for who asks
+    # Kept, for who asks: runtime's checkpoint functions live with the checkpoints.
+    assert "sparkdist/_checkpoint/public.py" in error.root_cause.traceback
     assert not run_processes()
 
 
@@ -49,7 +50,7 @@ def test_a_full_traceback_on_request(monkeypatch):
     with pytest.raises(WorkerFailedError) as info:
         Distributor(2, use_gpu=False, timeout_s=100).run(save_without_a_checkpoint_dir)
     printed = "".join(traceback.format_exception(info.value))
-    assert "sparkdist/runtime.py" in printed and "sparkdist/_engine/" in printed
+    assert "sparkdist/_checkpoint/public.py" in printed and "sparkdist/_engine/" in printed
     assert not run_processes()
 
 
