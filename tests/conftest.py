@@ -24,6 +24,9 @@ import pytest
 
 from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR, RankProcess, rank_processes
 
+# The JVM flags of the tests' short-lived JVMs are the lab's (start-up matters, not peak speed).
+from sparkdist._lab.spark import FAST_JVM_OPTIONS as FAST_JVM_OPTIONS
+
 # All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -39,10 +42,6 @@ tempfile.tempdir = None  # re-read TMPDIR
 REPO = Path(__file__).resolve().parent.parent
 FAKE_GPU_SCRIPT = REPO / "conf" / "fakeGpusResources.sh"
 LOCAL_CLUSTER = "local-cluster[2,1,1024]"
-#: JVM flags for the tests' short-lived JVMs, the shared sessions' too: start-up matters, peak
-#: speed does not. C1 only and the serial collector start about twice as fast on a busy 2-core
-#: box (the standalone cluster test: 43-53 s against 85-92 s).
-FAST_JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
 
 _session: dict[str, Any] = {}
 

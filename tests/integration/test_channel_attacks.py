@@ -38,6 +38,7 @@ from sparkdist._wire.channel.server import (
     new_secret,
 )
 from tests._helpers.channel import Inbox
+from tests._helpers.relay import LoopbackRelay
 
 WAIT_S = 20.0  # a loaded 2-core machine
 HOST = "127.0.0.1"
@@ -70,30 +71,15 @@ def _hellos(inbox: Inbox) -> list[int]:
 Hook = Callable[[str, int, bytes], list[bytes]]
 
 
-class Relay:
-    """Listens on its own port and passes frames between an agent and the server, through
-    ``hook(direction, index, body) -> bodies`` ("up" is agent to server)."""
+class Relay(LoopbackRelay):
+    """Passes frames between an agent and the server, through ``hook(direction, index, body)
+    -> bodies`` ("up" is agent to server)."""
 
     def __init__(self, server_port: int, hook: Hook) -> None:
         self.hook = hook
-        self.listener = socket.create_server((HOST, 0))
-        self.port = self.listener.getsockname()[1]
-        self.server_port = server_port
-        self.sockets: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        super().__init__(server_port)
 
-    def _serve(self) -> None:
-        try:
-            agent, _ = self.listener.accept()
-        except OSError:
-            return
-        upstream = socket.create_connection((HOST, self.server_port))
-        self.sockets += [agent, upstream]
-        for src, dst, direction in ((agent, upstream, "up"), (upstream, agent, "down")):
-            threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+    def pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         buffer = bytearray()
         index = 0
         try:
@@ -111,11 +97,6 @@ class Relay:
                     sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self.sockets:
-            sock.close()
 
 
 # Frame indexes: up 0 = hello, 1 = proof, 2.. = the agent's tagged frames;

@@ -12,48 +12,30 @@ import pytest
 
 from sparkdist._wire import protocol
 from sparkdist._wire.channel.server import ChannelClient, ChannelServer, Peer, new_secret
+from tests._helpers.relay import LoopbackRelay
 
 HOST = "127.0.0.1"
 LIMIT_S = 1.5
 
 
-class CuttableLink:
+class CuttableLink(LoopbackRelay):
     """A byte relay between an agent and the server; ``cut(direction)`` swallows every byte
     from then on in that direction ("up": to the server), closing nothing."""
 
     def __init__(self, server_port: int) -> None:
-        self.listener = socket.create_server((HOST, 0))
-        self.port = self.listener.getsockname()[1]
-        self.server_port = server_port
         self.dead: set[str] = set()
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__(server_port)
 
     def cut(self, direction: str) -> None:
         self.dead.add(direction)
 
-    def _serve(self) -> None:
-        try:
-            agent, _ = self.listener.accept()
-        except OSError:
-            return
-        upstream = socket.create_connection((HOST, self.server_port))
-        self.sockets += [agent, upstream]
-        for src, dst, direction in ((agent, upstream, "up"), (upstream, agent, "down")):
-            threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
+    def pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         try:
             while data := src.recv(1 << 16):
                 if direction not in self.dead:
                     dst.sendall(data)
         except OSError:
             pass
-
-    def close(self) -> None:
-        self.listener.close()
-        for sock in self.sockets:
-            sock.close()
 
 
 class Seen:

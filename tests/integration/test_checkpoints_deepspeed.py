@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 
 import pytest
 import torch
 
 from sparkdist import Distributor, runtime
+from tests._helpers.files import mode_of
 from tests.conftest import run_processes
 from tests.integration.test_checkpoints_dcp import assert_equal
 
@@ -100,10 +100,6 @@ def rank_state(engine) -> dict:
     adam = engine.optimizer.optimizer  # torch's AdamW over this rank's fp32 partitions
     steps = sorted({float(state["step"]) for state in adam.state.values()})
     return {"global_steps": engine.global_steps, "adam_steps": steps}
-
-
-def mode_of(path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
 
 
 # -- save, keep_last, load into a fresh engine ---------------------------------------------------

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._helpers.spark import SMALL_APP_CONF
 from tests.conftest import REPO, run_processes
-from tests.integration.standalone_cluster import FAST_JVM_OPTIONS
 
 RANK_SCRIPT = textwrap.dedent("""
     import os, signal, sys
@@ -136,14 +136,7 @@ def test_local_cluster_master_runs_barrier_tasks_and_reports_the_exit_code(tmp_p
         "--master",
         "local-cluster[2,1,1024]",
         "--cpu",
-        "--conf",
-        "spark.executor.memory=512m",
-        "--conf",
-        "spark.ui.enabled=false",
-        "--conf",
-        f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-        "--conf",
-        f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+        *SMALL_APP_CONF,
         "train.py",
         "--",
         "--seed",

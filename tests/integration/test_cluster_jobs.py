@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 
+from tests._helpers.spark import SMALL_APP_CONF
 from tests.conftest import FAKE_GPU_SCRIPT, REPO, run_processes
 from tests.integration.standalone_cluster import (
     CLUSTER_MARK_VAR,
@@ -108,14 +109,7 @@ def test_standalone_cluster_gives_every_rank_its_own_worker_gpu(tmp_path):
                 "spark.task.resource.gpu.amount=1",
                 "--conf",
                 "spark.executor.cores=2",
-                "--conf",
-                "spark.executor.memory=512m",
-                "--conf",
-                "spark.ui.enabled=false",
-                "--conf",
-                f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-                "--conf",
-                f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+                *SMALL_APP_CONF,
                 "placement.py",
             ],
             cwd=tmp_path,

@@ -12,7 +12,6 @@ import contextlib
 import glob
 import json
 import os
-import stat
 import subprocess
 import sys
 import tempfile
@@ -29,11 +28,8 @@ from sparkdist._core import files
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._engine.launch import Launch
 from sparkdist.distributor import make_job
+from tests._helpers.files import mode_of
 from tests.conftest import FAST_JVM_OPTIONS, REPO, _stop_session, run_processes
-
-
-def mode_of(path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
 
 
 def served_job_file(run_id: str) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sparkdist._lab.lab import DRIVER_ADDRESS
-from sparkdist._lab.spark import FAST_JVM_OPTIONS, MASTER_URL, LabCluster
+from sparkdist._lab.spark import MASTER_URL, LabCluster
+from tests._helpers.spark import SMALL_APP_CONF
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
 
@@ -80,14 +81,7 @@ def test_a_spark_submit_job_on_the_driver_host(lab_cluster: LabCluster) -> None:
             "spark.cores.max=3",
             "--conf",
             "spark.executor.cores=1",
-            "--conf",
-            "spark.executor.memory=512m",
-            "--conf",
-            "spark.ui.enabled=false",
-            "--conf",
-            f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-            "--conf",
-            f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+            *SMALL_APP_CONF,
             "/tmp/job/submit_job.py",
         ],
         env=lab.env("driver", SPARKDIST_MLFLOW="0"),
@@ -119,14 +113,7 @@ def test_a_connect_client_on_one_host_and_its_server_on_another(lab_cluster: Lab
             "spark.cores.max=2",
             "--conf",
             "spark.executor.cores=1",
-            "--conf",
-            "spark.executor.memory=512m",
-            "--conf",
-            "spark.ui.enabled=false",
-            "--conf",
-            f"spark.driver.extraJavaOptions={FAST_JVM_OPTIONS}",
-            "--conf",
-            f"spark.executor.extraJavaOptions={FAST_JVM_OPTIONS}",
+            *SMALL_APP_CONF,
             "spark-internal",
         ],
         log,

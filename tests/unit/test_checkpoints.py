@@ -15,7 +15,6 @@ import logging
 import os
 import pickle
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -27,12 +26,9 @@ import torch
 from sparkdist import runtime
 from sparkdist._checkpoint import api as checkpoints
 from sparkdist._core import files
+from tests._helpers.files import mode_of
 
 SHARD = "__0_0.distcp"  # a world of one's shards
-
-
-def mode_of(path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
 
 
 def step_dir(ckpt_dir, step: int):

@@ -12,7 +12,6 @@ import importlib.util
 import json
 import os
 import pickle
-import stat
 import subprocess
 import sys
 import zipfile
@@ -27,6 +26,7 @@ from sparkdist._checkpoint.deepspeed_engine import Found, _converted, load, save
 from sparkdist._checkpoint.layout import Candidate, Unreadable
 from sparkdist._checkpoint.pickles import Refused, WeightsOnlyReads, check_file, check_tree
 from sparkdist._checkpoint.universal import Refusal, Topology, plan
+from tests._helpers.files import mode_of
 
 PATH = "/ckpt/step-000000005"
 
@@ -40,10 +40,6 @@ def needs_deepspeed(test):
 
 def topology(world: int, stage: int = 2, mp: int = 1) -> Topology:
     return Topology(world_size=world * mp, dp_world_size=world, mp_world_size=mp, zero_stage=stage)
-
-
-def mode_of(path) -> int:
-    return stat.S_IMODE(os.lstat(path).st_mode)
 
 
 class RunsAShellCommand:
