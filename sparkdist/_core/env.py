@@ -306,8 +306,9 @@ def worker_env(
             TASK_VAR: str(seat.task),
         }
     )
-    if cuda_visible_devices:
-        env[GPU_VAR] = cuda_visible_devices.split(",")[seat.slot]
+    devices = cuda_visible_devices.split(",") if cuda_visible_devices else []
+    if seat.slot < len(devices):
+        env[GPU_VAR] = devices[seat.slot]
     if seat.host_sizes:
         env[RANKS_PER_HOST_VAR] = ",".join(map(str, seat.host_sizes))
     if mode == "deepspeed" and cuda_visible_devices is None:
