@@ -45,7 +45,7 @@ def test_remote_runs_as_barrier_tasks_on_local_spark(spark_local, caplog):
             v["main"],
         )
         for v in values
-    ] == [("r", 0, 0, 0, 1, 2, True), ("r", 1, 1, 0, 1, 2, False)]
+    ] == [("r", 0, 0, 0, 2, 2, True), ("r", 1, 0, 1, 2, 2, False)]  # local[2]: one host
     [warning] = [r for r in caplog.records if "CPU process(es) with gloo" in r.message]
     assert "spark.task.resource.gpu.amount is unset or 0" in warning.message
     assert not run_processes()
