@@ -45,7 +45,7 @@ from typing import Any
 
 import _jobs
 from _measure import Figure, measure_failures, measure_launches
-from _report import format_table, machine_record, ratio_records
+from _report import launch_table, machine_record, ratio_records
 
 NUM_PROCESSES = 2
 LOCAL_CLUSTER = "local-cluster[2,1,1024]"
@@ -488,7 +488,7 @@ def main(argv: list[str]) -> None:
     for record in records:
         print(json.dumps(record))
     print()
-    print(format_table(figures), flush=True)
+    print(launch_table(figures), flush=True)
     for table in phases:
         print(table, flush=True)
 

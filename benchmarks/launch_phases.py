@@ -44,7 +44,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
-from _harness import format_table, set_loopback_env
+from _harness import set_loopback_env
+from _report import format_table
 
 DEFAULT_RUNS = 15
 
