@@ -31,20 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# PeakSampler, run_torchrun and the output helpers are re-exported (``as``) until every
-# script imports them from where they live now.
 from _measure import TORCHRUN_TMP
-from _measure import PeakSampler as PeakSampler
-from _measure import run_torchrun as run_torchrun
-from _report import emit as emit
-from _report import format_table as format_table
 from _report import machine_record
-from _report import median as median
-from _report import megabytes as megabytes
-from _report import ratio as ratio
-from _report import rounded as rounded
-from _report import seconds as seconds
-from _report import times as times
 
 if TYPE_CHECKING:
     from typing_extensions import Self
