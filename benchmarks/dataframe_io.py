@@ -47,15 +47,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from _dataframe_io_jobs import read_rows
 from _harness import Bench, Options, append_records, classic_session
 from _measure import PeakSampler, Sampler
 from _report import emit, median, megabytes, rounded, seconds, table, times
-
-if TYPE_CHECKING:
-    pass
 
 SCRIPT = "dataframe_io"
 NUM_PROCESSES = 2
