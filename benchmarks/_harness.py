@@ -94,7 +94,7 @@ class Options:
         if quick is not None:
             self._quick[action.dest] = quick
 
-    def parse(self, argv: Sequence[str], positive: Sequence[str] = ("runs",)) -> Any:
+    def parse(self, argv: Sequence[str], positive: Sequence[str] = ("runs",)) -> argparse.Namespace:
         """The options, each quick-dependent one set; those named in ``positive`` (numbers or
         lists of them) must be above 0."""
         self.parser.add_argument("--quick", action="store_true", help=self._quick_help)
@@ -103,10 +103,11 @@ class Options:
         args = self.parser.parse_args(argv)
         for dest, (default, quick) in self._quick.items():
             if getattr(args, dest) is None:
-                setattr(args, dest, quick if args.quick else default)
+                value = quick if args.quick else default
+                setattr(args, dest, list(value) if isinstance(value, list) else value)
         low = [name for name in positive if min(_listed(getattr(args, name)), default=1) <= 0]
         if low:
-            names = " and ".join("--" + name.replace("_", "-") for name in positive)
+            names = ", ".join("--" + name.replace("_", "-") for name in positive)
             self.parser.error(f"{names} must be positive")
         return args
 
