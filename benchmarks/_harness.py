@@ -1,34 +1,37 @@
-"""What the benchmark scripts share: loopback settings, a scratch directory, one child process
-per driver (each in its own process group, checked for stragglers), leftovers, JSON lines and
-an aligned table.
+"""What the benchmark scripts share to run: loopback settings, the command line (``--quick``, and
+the hidden ``--child KIND --results FILE``), a scratch directory, one child process per driver
+(each in its own process group, checked for stragglers), leftovers, Spark sessions.
 
-Every script follows ``launch.py``'s shape: the parent sets the environment, creates a scratch
-directory (the children's cwd and ``TMPDIR``), runs each kind of driver (a Spark master, a
-Connect session, a fresh local driver) as this script re-invoked with ``--child KIND
---results FILE``, then prints one JSON line per figure and a table. The children append JSON
-records to ``FILE``; their output goes to a log whose tail is shown when they fail.
+Every script follows one shape: the parent parses its options (``Options``), sets the
+environment, creates a scratch directory (the children's cwd and ``TMPDIR``), runs each kind of
+driver (a Spark master, a Connect session, a fresh local driver) as this script re-invoked with
+``--child KIND --results FILE`` and the options it parsed (``Bench.child``), then prints one
+JSON line per figure and a table (``_report.emit``). The children append JSON records to
+``FILE``; their output goes to a log whose tail is shown when they fail.
 
-Non-goals: what is measured (each script), ``launch.py``'s own figures (``_measure``).
+Non-goals: what is measured (each script), timing, memory and the launchers' calls
+(``_measure``), output (``_report``).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from _measure import TORCHRUN_TMP
 from _report import machine_record
 
 if TYPE_CHECKING:
@@ -38,59 +41,20 @@ if TYPE_CHECKING:
 #: so processes that outlive a child are found by their environment, whichever session or
 #: process group they moved to (sparkdist's zygote and ranks start sessions of their own).
 MARKER_VAR = "SPARKDIST_BENCHMARK_RUN"
-#: torchrun runs with this subdirectory of the scratch dir as TMPDIR, so what it leaves
-#: (``torchelastic_*``) is told apart from what sparkdist leaves.
-TORCHRUN_TMP = "torchrun-tmp"
 
 
-def set_loopback_env() -> None:
-    """Keep every byte on loopback and tracking off; executors use this interpreter."""
+def set_loopback_env(tracking: bool = False) -> None:
+    """Keep every byte on loopback and (unless ``tracking``) MLflow tracking off; executors
+    use this interpreter."""
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    os.environ["SPARKDIST_MLFLOW"] = "0"
+    if not tracking:
+        os.environ["SPARKDIST_MLFLOW"] = "0"
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
 def progress(script: str, message: str) -> None:
     print(f"[{script}] {message}", file=sys.stderr, flush=True)
-
-
-def median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
-def rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(value, digits)
-
-
-def seconds(value: float | None, digits: int = 3) -> str:
-    return "-" if value is None else f"{value:.{digits}f} s"
-
-
-def megabytes(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f} MB"
-
-
-def ratio(numerator: float | None, denominator: float | None) -> float | None:
-    return None if numerator is None or not denominator else numerator / denominator
-
-
-def times(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def format_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Columns aligned; the last one left ragged."""
-    table = [tuple(header), *(tuple(row) for row in rows)]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
-    return "\n".join(
-        (
-            "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True))
-            + "  "
-            + row[-1]
-        ).rstrip()
-        for row in table
-    )
 
 
 def append_records(path: Path, records: Sequence[Mapping[str, Any]]) -> None:
@@ -106,14 +70,83 @@ def read_records(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in lines if line.strip()]
 
 
+class Options:
+    """A benchmark's command line: its own options, ``--quick`` (a smoke test) and the hidden
+    ``--child KIND --results FILE`` of a child run.
+
+    ``add(..., quick=(default, quick_default))`` gives an option a second default that
+    ``--quick`` picks (its help names both); ``forward`` rebuilds the command line from the
+    values the parent parsed, so a child runs with exactly those (quick defaults, paths made
+    absolute, derived values).
+    """
+
+    def __init__(self, doc: str | None, quick_help: str) -> None:
+        self.parser = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+        self._quick_help = quick_help
+        self._quick: dict[str, tuple[Any, Any]] = {}
+
+    def add(self, *flags: str, quick: tuple[Any, Any] | None = None, **kwargs: Any) -> None:
+        if quick is not None:
+            kwargs["default"] = None
+            default, fast = (" ".join(map(_shown, _listed(value))) for value in quick)
+            kwargs["help"] = f"{kwargs.get('help', '')} (default {default}; {fast} with --quick)"
+        action = self.parser.add_argument(*flags, **kwargs)
+        if quick is not None:
+            self._quick[action.dest] = quick
+
+    def parse(self, argv: Sequence[str], positive: Sequence[str] = ("runs",)) -> argparse.Namespace:
+        """The options, each quick-dependent one set; those named in ``positive`` (numbers or
+        lists of them) must be above 0."""
+        self.parser.add_argument("--quick", action="store_true", help=self._quick_help)
+        self.parser.add_argument("--child", help=argparse.SUPPRESS)
+        self.parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
+        args = self.parser.parse_args(argv)
+        for dest, (default, quick) in self._quick.items():
+            if getattr(args, dest) is None:
+                value = quick if args.quick else default
+                setattr(args, dest, list(value) if isinstance(value, list) else value)
+        low = [name for name in positive if min(_listed(getattr(args, name)), default=1) <= 0]
+        if low:
+            names = ", ".join("--" + name.replace("_", "-") for name in positive)
+            self.parser.error(f"{names} must be positive")
+        return args
+
+    def forward(self, args: argparse.Namespace) -> list[str]:
+        """The options in ``args`` as a command line (``--child`` and ``--results`` left out)."""
+        argv: list[str] = []
+        for action in self.parser._actions:
+            if not action.option_strings or action.dest in ("help", "child", "results"):
+                continue
+            flag, value = action.option_strings[0], getattr(args, action.dest)
+            if action.nargs == 0:  # a switch: given when it holds the value it stores
+                argv += [flag] if value == action.const else []
+            elif isinstance(value, list | tuple):
+                argv += [flag, *map(str, value)]
+            elif value is not None:
+                argv += [flag, str(value)]
+        return argv
+
+
+def _listed(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @dataclass
 class Bench:
     """One benchmark run in the parent: its scratch directory, children and final report.
 
-    Use as a context manager; ``scratch`` is every child's cwd and ``TMPDIR``.
+    Use as a context manager; ``scratch`` is every child's cwd and ``TMPDIR``. ``tracking``
+    leaves sparkdist's MLflow tracking as the user gets it (on); ``keep_logs`` is where each
+    child's output is copied, if anywhere.
     """
 
     script: str
+    tracking: bool = False
+    keep_logs: Path | None = None
     workdir: Path = field(init=False)
     scratch: Path = field(init=False)
     marker: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -124,7 +157,8 @@ class Bench:
     _stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def __enter__(self) -> Self:
-        set_loopback_env()
+        set_loopback_env(self.tracking)
+        # Not "sparkdist-*": the test suite counts such temp names as leaked run dirs.
         self.workdir = Path(
             self._stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-{self.script}-"))
         )
@@ -160,17 +194,11 @@ class Bench:
         gets 10 s to exit (the JVM exits on its own once its Python driver is gone) and is
         then reported and killed.
         """
-        tag = re.sub(r"\W+", "-", kind).strip("-") + f"-{time.monotonic_ns()}"
+        name = re.sub(r"\W+", "-", kind).strip("-")
+        tag = f"{name}-{time.monotonic_ns()}"
         results, log = self.workdir / f"{tag}.jsonl", self.workdir / f"{tag}.log"
-        command = [
-            sys.executable,
-            os.path.abspath(sys.argv[0]),
-            "--child",
-            kind,
-            "--results",
-            str(results),
-            *argv,
-        ]
+        command = [sys.executable, os.path.abspath(sys.argv[0]), "--child", kind]
+        command += ["--results", str(results), *argv]
         self.note(f"{kind}: child started")
         started = time.monotonic()
         with log.open("wb") as out:
@@ -201,6 +229,11 @@ class Bench:
             self.note(f"{kind}: child {why}; the end of its output:\n{tail(log)}")
         else:
             self.note(f"{kind}: child done in {time.monotonic() - started:.1f} s")
+        if self.keep_logs is not None:
+            self.keep_logs.mkdir(parents=True, exist_ok=True)
+            kept = self.keep_logs / f"{name}.log"
+            kept.write_bytes(log.read_bytes())
+            self.note(f"{kind}: output kept in {kept}")
         return read_records(results)
 
     def machine(self, **extra: Any) -> dict[str, Any]:
@@ -211,16 +244,6 @@ class Bench:
         record["stragglers"] = dict(self.stragglers)
         record.update(extra)
         return record
-
-
-def emit(records: Sequence[Mapping[str, Any]], table: str, title: str = "") -> None:
-    """Print the JSON lines, then the table (stdout); progress went to stderr."""
-    for record in records:
-        print(json.dumps(record))
-    print()
-    if title:
-        print(title)
-    print(table, flush=True)
 
 
 def kill_stragglers(marker: str, grace_s: float = 10.0) -> list[str]:
@@ -269,94 +292,18 @@ def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
 
 
-class PeakSampler:
-    """A process's peak ``VmRSS`` and ``RssAnon`` (MB) over a ``with`` block.
-
-    ``RssAnon`` is memory the process owns; ``VmRSS`` also counts resident pages of mapped files
-    (page cache a memory-mapped Arrow file brings in, which the kernel can drop at will). The RSS
-    peak is exact where the kernel lets us reset the process's high-water mark (``VmHWM``, by
-    writing 5 to ``/proc/PID/clear_refs``); ``RssAnon`` has no high-water mark, so it is sampled
-    on a daemon thread every ``interval_s`` (a spike shorter than that can be missed).
-
-    Example::
-
-        with PeakSampler() as peak:
-            work()
-        peak.rss_mb, peak.anon_mb, peak.start_rss_mb
-    """
-
-    def __init__(self, pid: int | None = None, interval_s: float = 0.005) -> None:
-        import threading
-
-        self._proc = f"/proc/{pid or os.getpid()}"
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, name="peak-sampler", daemon=True)
-        self._hwm_reset = False
-        self.start_rss_mb = self.start_anon_mb = 0.0
-        self.rss_mb = self.anon_mb = 0.0
-
-    def read(self) -> tuple[float, float]:
-        """The current (VmRSS, RssAnon) in MB."""
-        values = self._status()
-        return values.get("VmRSS:", 0.0), values.get("RssAnon:", 0.0)
-
-    def _status(self) -> dict[str, float]:
-        values = {}
-        with open(f"{self._proc}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith(("VmRSS:", "RssAnon:", "VmHWM:")):
-                    key, amount, _ = line.split()
-                    values[key] = int(amount) / 1024
-        return values
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(OSError, ValueError):
-                rss, anon = self.read()
-                self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(self.anon_mb, anon)
-            self._stop.wait(self._interval_s)
-
-    def __enter__(self) -> Self:
-        try:
-            with open(f"{self._proc}/clear_refs", "w", encoding="ascii") as clear:
-                clear.write("5")  # VmHWM := VmRSS
-            self._hwm_reset = True
-        except OSError:
-            self._hwm_reset = False
-        self.start_rss_mb, self.start_anon_mb = self.read()
-        self.rss_mb, self.anon_mb = self.start_rss_mb, self.start_anon_mb
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        with contextlib.suppress(OSError, ValueError):
-            values = self._status()
-            peak = values.get("VmHWM:", 0.0) if self._hwm_reset else 0.0
-            self.rss_mb = max(self.rss_mb, values.get("VmRSS:", 0.0), peak)
-            self.anon_mb = max(self.anon_mb, values.get("RssAnon:", 0.0))
-
-
-@contextlib.contextmanager
-def timer() -> Iterator[list[float]]:
-    """``with timer() as elapsed: ...``; then ``elapsed[0]`` is the wall time in seconds."""
-    elapsed: list[float] = []
-    started = time.perf_counter()
-    try:
-        yield elapsed
-    finally:
-        elapsed.append(time.perf_counter() - started)
-
-
 def classic_session(
-    master: str, app: str, scratch: Path | None = None, conf: Mapping[str, str] | None = None
+    master: str,
+    app: str,
+    scratch: Path | None = None,
+    conf: Mapping[str, str] | None = None,
+    tracking: bool = False,
 ) -> Any:
     """A quiet classic SparkSession on loopback (executors use this interpreter).
 
     With ``scratch``, Spark's local dirs (shuffle files, block manager) and the JVM's temp dir
-    go there, so whatever Spark leaves behind is seen by the leftover report.
+    go there, so whatever Spark leaves behind is seen by the leftover report. Unless
+    ``tracking``, the executors' ranks run with MLflow tracking off.
     """
     from pyspark.sql import SparkSession
 
@@ -368,8 +315,9 @@ def classic_session(
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.executorEnv.SPARK_LOCAL_IP", "127.0.0.1")
         .config("spark.executorEnv.GLOO_SOCKET_IFNAME", "lo")
-        .config("spark.executorEnv.SPARKDIST_MLFLOW", "0")
     )
+    if not tracking:
+        builder = builder.config("spark.executorEnv.SPARKDIST_MLFLOW", "0")
     if scratch is not None:
         builder = builder.config("spark.local.dir", str(scratch)).config(
             "spark.driver.extraJavaOptions", f"-Djava.io.tmpdir={scratch}"
@@ -381,62 +329,13 @@ def classic_session(
     return session
 
 
-@dataclass
-class TorchrunResult:
-    """One finished ``torchrun`` call: exit status, merged output, wall time."""
-
-    returncode: int | None  # None: it ran out of time and was killed with its workers
-    output: str
-    wall_s: float
-
-
-def run_torchrun(
-    nproc: int,
-    script: str,
-    *script_args: str,
-    timeout_s: float = 300.0,
-    cwd: str | os.PathLike[str] | None = None,
-) -> TorchrunResult:
-    """``torchrun --standalone --nnodes=1 --nproc_per_node=nproc script args...``.
-
-    torchrun starts its workers in sessions of their own, so a run that outlives ``timeout_s``
-    is killed process tree first. Its TMPDIR is ``TORCHRUN_TMP`` under ``cwd`` (default: this
-    process's cwd).
-    """
-    import psutil
-
-    tmpdir = Path(cwd or os.getcwd()) / TORCHRUN_TMP
-    tmpdir.mkdir(exist_ok=True)
-
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes=1",
-        f"--nproc_per_node={nproc}",
-        script,
-        *script_args,
-    ]
-    started = time.perf_counter()
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        cwd=cwd,
-        env={**os.environ, "TMPDIR": str(tmpdir)},
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-        returncode: int | None = process.returncode
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(psutil.Error):
-            root = psutil.Process(process.pid)
-            for proc in [*root.children(recursive=True), root]:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
-        output, _ = process.communicate()
-        returncode = None
-    return TorchrunResult(returncode, output, time.perf_counter() - started)
+def wait_for_executors(session: Any, count: int, timeout_s: float = 120.0) -> None:
+    """Block until ``count`` executors registered, so no launcher pays for their start."""
+    tracker = session.sparkContext._jsc.sc()
+    deadline = time.monotonic() + timeout_s
+    # The list includes the driver. Executors register with no event a Python caller can
+    # wait on, hence the poll.
+    while tracker.getExecutorMemoryStatus().size() < count + 1:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{count} executors did not register in {timeout_s:.0f} s")
+        time.sleep(0.1)

@@ -1,4 +1,6 @@
-"""Timing launchers: launch time after a warm-up, and failure latency, interleaved.
+"""Measuring launchers: launch time after a warm-up and failure latency, interleaved; a call on
+a guarded thread; the torchrun reference; pyspark's by-value shipping; a process's peak memory
+over a block.
 
 Launchers are measured in turns (A, B, A, B, ...) rather than one after the other, so a change
 in the machine's load (other users of a shared box) hits every launcher alike.
@@ -8,21 +10,32 @@ Non-goals: what a launcher is (``launch.py`` passes plain callables), printing (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import _jobs
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
 #: A launch that takes longer than this is treated as hung (the figures are seconds).
 LAUNCH_TIMEOUT_S = 300.0
+#: torchrun runs with this subdirectory of the scratch dir as TMPDIR, so what it leaves
+#: (``torchelastic_*``) is told apart from what sparkdist leaves.
+TORCHRUN_TMP = "torchrun-tmp"
 
 _RECORD_FIELDS = (
     "figure",
@@ -195,11 +208,180 @@ def record_failure(figure: Figure, trial: Trial, raised_at: float | None) -> Non
         figure.runs.append(trial.ended_at - raised_at)
 
 
-def first_line(error: BaseException, limit: int = 300) -> str:
-    """``Type: first non-blank line of the message``, for the JSON record."""
+def first_line(error: BaseException | None, limit: int = 300) -> str:
+    """``Type: first non-blank line of the message``, for the JSON record ("" for no error)."""
+    if error is None:
+        return ""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
 
 
 def _round(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds, 4)
+
+
+def kill_tree(pid: int) -> None:
+    """Kill process ``pid`` and every process under it (children first, then ``pid``)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for proc in [*root.children(recursive=True), root]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+
+
+@contextlib.contextmanager
+def pickled_by_value(module: ModuleType) -> Iterator[None]:
+    """Make pyspark's cloudpickle ship ``module``'s functions by value.
+
+    pyspark's torchrun workers cannot import the benchmark's modules; sparkdist ships them by
+    value on its own (with its own cloudpickle), so it gets no such help.
+    """
+    from pyspark import cloudpickle as pyspark_cloudpickle
+
+    pyspark_cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
+    try:
+        yield
+    finally:
+        pyspark_cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
+
+
+def torchrun_command(nproc: int, script: str, *script_args: str) -> list[str]:
+    """``torchrun --standalone --nnodes=1 --nproc_per_node=nproc script args...``."""
+    return [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"),
+        *(f"--nproc_per_node={nproc}", script, *script_args),
+    ]
+
+
+@dataclass
+class TorchrunResult:
+    """One finished ``torchrun`` call: exit status, merged output, wall time."""
+
+    returncode: int | None  # None: it ran out of time and was killed with its workers
+    output: str
+    wall_s: float
+
+
+def run_torchrun(
+    nproc: int,
+    script: str,
+    *script_args: str,
+    timeout_s: float = 300.0,
+    cwd: str | os.PathLike[str] | None = None,
+) -> TorchrunResult:
+    """``torchrun_command(nproc, script, *script_args)``, waited for.
+
+    torchrun starts its workers in sessions of their own, so a run that outlives ``timeout_s``
+    is killed process tree first. Its TMPDIR is ``TORCHRUN_TMP`` under ``cwd`` (default: this
+    process's cwd).
+    """
+    tmpdir = Path(cwd or os.getcwd()) / TORCHRUN_TMP
+    tmpdir.mkdir(exist_ok=True)
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        torchrun_command(nproc, script, *script_args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        cwd=cwd,
+        env={**os.environ, "TMPDIR": str(tmpdir)},
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+        returncode: int | None = process.returncode
+    except subprocess.TimeoutExpired:
+        kill_tree(process.pid)
+        output, _ = process.communicate()
+        returncode = None
+    return TorchrunResult(returncode, output, time.perf_counter() - started)
+
+
+class Sampler:
+    """``sample()`` on a daemon thread every ``interval_s`` while a ``with`` block runs; a
+    subclass keeps what it samples (a peak, say) and may read once more when the block ends."""
+
+    def __init__(self, interval_s: float, name: str) -> None:
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            self._stop.wait(self._interval_s)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class PeakSampler(Sampler):
+    """A process's peak ``VmRSS`` and ``RssAnon`` (MB) over a ``with`` block.
+
+    ``RssAnon`` is memory the process owns; ``VmRSS`` also counts resident pages of mapped files
+    (page cache a memory-mapped Arrow file brings in, which the kernel can drop at will). The RSS
+    peak is exact where the kernel lets us reset the process's high-water mark (``VmHWM``, by
+    writing 5 to ``/proc/PID/clear_refs``); ``RssAnon`` has no high-water mark, so it is sampled
+    on a daemon thread every ``interval_s`` (a spike shorter than that can be missed).
+
+    Example::
+
+        with PeakSampler() as peak:
+            work()
+        peak.rss_mb, peak.anon_mb, peak.start_rss_mb
+    """
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.005) -> None:
+        super().__init__(interval_s, "peak-sampler")
+        self._proc = f"/proc/{pid or os.getpid()}"
+        self._hwm_reset = False
+        self.start_rss_mb = self.start_anon_mb = 0.0
+        self.rss_mb = self.anon_mb = 0.0
+
+    def read(self) -> tuple[float, float]:
+        """The current (VmRSS, RssAnon) in MB."""
+        values = self._status()
+        return values.get("VmRSS:", 0.0), values.get("RssAnon:", 0.0)
+
+    def _status(self) -> dict[str, float]:
+        values = {}
+        with open(f"{self._proc}/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith(("VmRSS:", "RssAnon:", "VmHWM:")):
+                    key, amount, _ = line.split()
+                    values[key] = int(amount) / 1024
+        return values
+
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            rss, anon = self.read()
+            self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(self.anon_mb, anon)
+
+    def __enter__(self) -> Self:
+        try:
+            with open(f"{self._proc}/clear_refs", "w", encoding="ascii") as clear:
+                clear.write("5")  # VmHWM := VmRSS
+            self._hwm_reset = True
+        except OSError:
+            self._hwm_reset = False
+        self.start_rss_mb, self.start_anon_mb = self.read()
+        self.rss_mb, self.anon_mb = self.start_rss_mb, self.start_anon_mb
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: object) -> None:
+        super().__exit__(*exc_info)
+        with contextlib.suppress(OSError, ValueError):
+            values = self._status()
+            peak = values.get("VmHWM:", 0.0) if self._hwm_reset else 0.0
+            self.rss_mb = max(self.rss_mb, values.get("VmRSS:", 0.0), peak)
+            self.anon_mb = max(self.anon_mb, values.get("RssAnon:", 0.0))

@@ -49,26 +49,23 @@ from pathlib import Path
 from typing import Any
 
 import _jobs
-from _harness import (
-    Bench,
-    append_records,
-    classic_session,
-    emit,
-    format_table,
-    median,
-    ratio,
-    rounded,
-    seconds,
-    times,
-)
+from _harness import Bench, Options, append_records, classic_session
+from _measure import pickled_by_value
+from _report import emit, median, ratio, rounded, runs_note, seconds, table, times
 
 SCRIPT = "connect"
 NUM_PROCESSES = 2
 SESSIONS = ("classic", "connect")
 LAUNCHERS = ("sparkdist", "sparkdist-allgather", "pyspark")
-DEFAULT_RUNS, QUICK_RUNS = 5, 2
 CONNECT_PORT = 15002
 CONTROL_CHANNEL_VAR = "SPARKDIST_CONTROL_CHANNEL"
+
+OPTIONS = Options(__doc__, quick_help="2 runs")
+OPTIONS.add("--runs", type=int, quick=(5, 2), help="timed runs per launcher, after one warm-up")
+OPTIONS.add("--sessions", nargs="+", choices=SESSIONS, default=list(SESSIONS))
+OPTIONS.add(
+    "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
+)
 
 
 # --- in a child ----------------------------------------------------------------------------
@@ -132,7 +129,6 @@ def launchers(session: Any, with_pyspark: bool) -> dict[str, Callable[[], Any]]:
 
     calls = {"sparkdist": sparkdist(False), "sparkdist-allgather": sparkdist(True)}
     if with_pyspark:
-        from pyspark import cloudpickle as pyspark_cloudpickle
         from pyspark.ml.torch.distributor import TorchDistributor
 
         torch_distributor = TorchDistributor(
@@ -140,12 +136,8 @@ def launchers(session: Any, with_pyspark: bool) -> dict[str, Callable[[], Any]]:
         )
 
         def pyspark() -> Any:
-            # pyspark's workers cannot import the benchmark's modules (sparkdist ships them).
-            pyspark_cloudpickle.register_pickle_by_value(_jobs)
-            try:
+            with pickled_by_value(_jobs):
                 return torch_distributor.run(_jobs.all_reduce_rank)
-            finally:
-                pyspark_cloudpickle.unregister_pickle_by_value(_jobs)
 
         calls["pyspark"] = pyspark
     return calls
@@ -245,7 +237,7 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
+def table_of(figures: list[dict[str, Any]]) -> str:
     launch = {(f["session"], f["launcher"]): f for f in figures if f["figure"] == "launch_s"}
     rows = []
     for launcher in LAUNCHERS:
@@ -255,72 +247,36 @@ def table(figures: list[dict[str, Any]]) -> str:
         c_med = classic["median"] if classic else None
         r_med = connect["median"] if connect else None
         vs_pyspark = ratio(r_med, (launch.get(("connect", "pyspark")) or {}).get("median"))
-        notes = []
-        for name, figure in (("classic", classic), ("connect", connect)):
-            if figure:
-                notes.append(
-                    f"{name} warm-up {seconds(figure['warmup'], 2)}, runs "
-                    + " ".join(f"{r:.2f}" for r in figure["runs"])
-                )
+        notes = [
+            f"{name} warm-up {seconds(figure['warmup'], 2)}, " + runs_note(figure["runs"])
+            for name, figure in (("classic", classic), ("connect", connect))
+            if figure
+        ]
         rows.append(
-            (
-                launcher,
-                seconds(c_med),
-                seconds(r_med),
-                times(ratio(r_med, c_med)),
-                times(vs_pyspark) if launcher != "pyspark" else "-",
-                "; ".join(notes),
-            )
+            {
+                "launcher": launcher,
+                "classic local[2]": seconds(c_med),
+                "connect local[2]": seconds(r_med),
+                "connect/classic": times(ratio(r_med, c_med)),
+                "vs pyspark on connect": times(vs_pyspark) if launcher != "pyspark" else "-",
+                "notes": "; ".join(notes),
+            }
         )
-    return format_table(
-        (
-            "launcher",
-            "classic local[2]",
-            "connect local[2]",
-            "connect/classic",
-            "vs pyspark on connect",
-            "notes",
-        ),
-        rows,
-    )
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"timed runs per launcher (default {DEFAULT_RUNS}, {QUICK_RUNS} "
-        "with --quick), after one warm-up",
-    )
-    parser.add_argument("--sessions", nargs="+", choices=SESSIONS, default=list(SESSIONS))
-    parser.add_argument(
-        "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
-    )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    return args
+    return table(rows)
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv)
     if args.child:
         run_child(args)
         return
-    common = ["--runs", str(args.runs)] + ([] if args.pyspark else ["--no-pyspark"])
     samples = []
     with Bench(SCRIPT) as bench:
         for session in args.sessions:
-            samples += bench.child(session, common, budget_s=300 + (args.runs + 1) * 3 * 90)
+            budget_s = 300 + (args.runs + 1) * 3 * 90
+            samples += bench.child(session, OPTIONS.forward(args), budget_s=budget_s)
     figures = summarize(samples)
-    emit([*figures, bench.machine(runs=args.runs)], table(figures))
+    emit([*figures, bench.machine(runs=args.runs)], table_of(figures))
 
 
 if __name__ == "__main__":

@@ -45,131 +45,62 @@ import argparse
 import contextlib
 import os
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from _harness import (
-    Bench,
-    PeakSampler,
-    append_records,
-    classic_session,
-    emit,
-    format_table,
-    median,
-    megabytes,
-    rounded,
-    seconds,
-)
-
-if TYPE_CHECKING:
-    from typing_extensions import Self
+from _dataframe_io_jobs import read_rows
+from _harness import Bench, Options, append_records, classic_session
+from _measure import PeakSampler, Sampler
+from _report import emit, median, megabytes, rounded, seconds, table, times
 
 SCRIPT = "dataframe_io"
 NUM_PROCESSES = 2
 MB = 1 << 20
 READERS = ("dataset", "table", "parquet")
-DEFAULT_SIZES_MB, QUICK_SIZES_MB = (64, 256), (16,)
-DEFAULT_RUNS, QUICK_RUNS = 2, 1
 
-
-# --- inside a rank -------------------------------------------------------------------------
-
-
-def read_rows(
-    reader: str, batch_size: int, width: int, loader_workers: int, parquet_files: list[str]
-) -> dict[str, Any]:
-    """Iterate this rank's rows as (features, label) tensor batches; time it, watch memory."""
-    import torch
-
-    rows, checksum = 0, 0.0
-    with PeakSampler() as peak:
-        started = time.perf_counter()
-        for features, label in _batches(reader, batch_size, width, loader_workers, parquet_files):
-            rows += len(label)
-            checksum += float(features[:, 0].sum())  # the tensors are really there
-        elapsed = time.perf_counter() - started
-    return {
-        "rows": rows,
-        "loop_s": elapsed,
-        "rss_start_mb": peak.start_rss_mb,
-        "rss_peak_mb": peak.rss_mb,
-        "anon_start_mb": peak.start_anon_mb,
-        "anon_peak_mb": peak.anon_mb,
-        "checksum": checksum,
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
-def _batches(
-    reader: str, batch_size: int, width: int, loader_workers: int, parquet_files: list[str]
-) -> Any:
-    import torch
-
-    if reader == "dataset":
-        from sparkdist import data
-
-        yield from torch.utils.data.DataLoader(
-            data.partition_dataset(["features", "label"]),
-            batch_size=batch_size,
-            num_workers=loader_workers,
-        )
-        return
-    if reader == "table":
-        from sparkdist import data
-
-        batches = (
-            data.partition_table()
-            .select(["features", "label"])
-            .to_batches(max_chunksize=batch_size)
-        )
-    else:
-        import pyarrow.parquet as pq
-
-        rank = int(os.environ["RANK"])
-        batches = pq.ParquetFile(parquet_files[rank]).iter_batches(
-            batch_size=batch_size, columns=["features", "label"]
-        )
-    for batch in batches:
-        features = batch.column(0).flatten().to_numpy().reshape(-1, width)
-        yield torch.from_numpy(features), torch.from_numpy(batch.column(1).to_numpy())
+OPTIONS = Options(__doc__, quick_help="16 MB per rank, 1 round")
+OPTIONS.add("--runs", type=int, quick=(2, 1), help="rounds per size")
+OPTIONS.add(
+    "--size-mb",
+    type=float,
+    nargs="+",
+    quick=([64, 256], [16]),
+    help="data per rank in MB of 2^20 bytes (1024: issue 5's 1 GiB partition)",
+)
+OPTIONS.add("--width", type=int, default=64, help="floats per features array")
+OPTIONS.add("--batch-size", type=int, default=256)
+OPTIONS.add(
+    "--loader-workers",
+    type=int,
+    default=0,
+    help="DataLoader num_workers for the dataset reader (default 0)",
+)
 
 
 # --- the child (a local[2] driver) ---------------------------------------------------------
 
 
-class WorkerSampler:
+class WorkerSampler(Sampler):
     """Peak VmRSS / RssAnon (MB) of Spark's Python workers below ``jvm_pid``, on a thread."""
 
     def __init__(self, jvm_pid: int, interval_s: float = 0.02) -> None:
-        self._jvm_pid = jvm_pid
-        self._interval_s = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.rss_mb = self.anon_mb = 0.0
-
-    def _run(self) -> None:
         import psutil
 
-        jvm = psutil.Process(self._jvm_pid)
-        while not self._stop.is_set():
-            with contextlib.suppress(psutil.Error):
-                for proc in jvm.children(recursive=True):
-                    with contextlib.suppress(psutil.Error, OSError, ValueError):
-                        if "pyspark.daemon" not in " ".join(proc.cmdline()):
-                            continue  # ranks, the zygote and its spares have other names
-                        rss, anon = PeakSampler(proc.pid).read()
-                        self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(self.anon_mb, anon)
-            self._stop.wait(self._interval_s)
+        super().__init__(interval_s, "worker-sampler")
+        self._jvm = psutil.Process(jvm_pid)
+        self.rss_mb = self.anon_mb = 0.0
 
-    def __enter__(self) -> Self:
-        self._thread.start()
-        return self
+    def sample(self) -> None:
+        import psutil
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join()
+        with contextlib.suppress(psutil.Error):
+            for proc in self._jvm.children(recursive=True):
+                with contextlib.suppress(psutil.Error, OSError, ValueError):
+                    if "pyspark.daemon" not in " ".join(proc.cmdline()):
+                        continue  # ranks, the zygote and its spares have other names
+                    rss, anon = PeakSampler(proc.pid).read()
+                    self.rss_mb, self.anon_mb = max(self.rss_mb, rss), max(self.anon_mb, anon)
 
 
 def write_parquet(session: Any, path: Path, rows_per_rank: int, width: int) -> list[str]:
@@ -345,7 +276,7 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
+def table_of(figures: list[dict[str, Any]]) -> str:
     ratios = {
         (f["reader"].split("/")[0], f["size_mb"]): f["value"]
         for f in figures
@@ -353,117 +284,43 @@ def table(figures: list[dict[str, Any]]) -> str:
     }
     written = {f["size_mb"]: f for f in figures if f["figure"] == "parquet_written"}
     rows = []
-    for f in figures:
-        if f["figure"] != "dataframe_read":
-            continue
-        value = ratios.get((f["reader"], f["size_mb"]))
+    for f in (f for f in figures if f["figure"] == "dataframe_read"):
         rows.append(
-            (
-                f"{f['size_mb']:g} MB",
-                f["reader"],
-                f"{f['rows_per_s']:,.0f}",
-                "-" if value is None else f"{value:.2f}x",
-                seconds(f["loop_s"]),
-                seconds(f["run_s"]),
-                megabytes(f["rank_peak_rss_mb"]),
-                megabytes(f["rank_peak_anon_mb"]),
-                megabytes(f["writer_peak_rss_mb"]),
-                megabytes(f["writer_peak_anon_mb"]),
-                (
-                    f"rows/rank {f['rank_rows']}; "
-                    f"rank RSS at start {f['rank_start_rss_mb']:.0f} MB; "
-                    f"parquet written in {written[f['size_mb']]['seconds']:.1f} s"
-                ),
-            )
+            {
+                "per rank": f"{f['size_mb']:g} MB",
+                "reader": f["reader"],
+                "rows/s": f"{f['rows_per_s']:,.0f}",
+                "vs parquet": times(ratios.get((f["reader"], f["size_mb"]))),
+                "loop": seconds(f["loop_s"]),
+                "run": seconds(f["run_s"]),
+                "rank +RSS": megabytes(f["rank_peak_rss_mb"]),
+                "rank +anon": megabytes(f["rank_peak_anon_mb"]),
+                "writer RSS": megabytes(f["writer_peak_rss_mb"]),
+                "writer anon": megabytes(f["writer_peak_anon_mb"]),
+                "notes": f"rows/rank {f['rank_rows']}; "
+                f"rank RSS at start {f['rank_start_rss_mb']:.0f} MB; "
+                f"parquet written in {written[f['size_mb']]['seconds']:.1f} s",
+            }
         )
-    return format_table(
-        (
-            "per rank",
-            "reader",
-            "rows/s",
-            "vs parquet",
-            "loop",
-            "run",
-            "rank +RSS",
-            "rank +anon",
-            "writer RSS",
-            "writer anon",
-            "notes",
-        ),
-        rows,
-    )
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"rounds per size (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
-    )
-    parser.add_argument(
-        "--size-mb",
-        type=float,
-        nargs="+",
-        default=None,
-        help="data per rank in MB of 2^20 bytes (default 64 256; 16 with "
-        "--quick; 1024 is issue 5's 1 GiB partition)",
-    )
-    parser.add_argument("--width", type=int, default=64, help="floats per features array")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument(
-        "--loader-workers",
-        type=int,
-        default=0,
-        help="DataLoader num_workers for the dataset reader (default 0)",
-    )
-    parser.add_argument("--quick", action="store_true", help="16 MB per rank, 1 round")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.size_mb is None:
-        args.size_mb = list(QUICK_SIZES_MB if args.quick else DEFAULT_SIZES_MB)
-    if args.runs < 1 or min(args.size_mb) <= 0:
-        parser.error("--runs must be at least 1 and --size-mb positive")
-    return args
+    return table(rows)
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv, positive=("runs", "size_mb"))
     if args.child:
         run_child(args)
         return
-    argv_child = [
-        "--runs",
-        str(args.runs),
-        "--size-mb",
-        *map(str, args.size_mb),
-        "--width",
-        str(args.width),
-        "--batch-size",
-        str(args.batch_size),
-        "--loader-workers",
-        str(args.loader_workers),
-    ]
     budget_s = 600 + sum(args.size_mb) * args.runs * 3.0
     with Bench(SCRIPT) as bench:
-        samples = bench.child("local[2]", argv_child, budget_s=budget_s)
+        samples = bench.child("local[2]", OPTIONS.forward(args), budget_s=budget_s)
     figures = summarize(samples)
-    emit(
-        [
-            *figures,
-            bench.machine(
-                runs=args.runs,
-                width=args.width,
-                batch_size=args.batch_size,
-                loader_workers=args.loader_workers,
-            ),
-        ],
-        table(figures),
+    machine = bench.machine(
+        runs=args.runs,
+        width=args.width,
+        batch_size=args.batch_size,
+        loader_workers=args.loader_workers,
     )
+    emit([*figures, machine], table_of(figures))
 
 
 if __name__ == "__main__":

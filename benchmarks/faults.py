@@ -40,28 +40,18 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import _fault_jobs
-from _harness import (
-    Bench,
-    append_records,
-    classic_session,
-    emit,
-    format_table,
-    median,
-    rounded,
-    run_torchrun,
-    seconds,
-)
+from _harness import Bench, Options, append_records, classic_session
 from _jobs import read_stamp
-from _measure import call_with_timeout
+from _measure import call_with_timeout, first_line, run_torchrun
+from _report import emit, median, rounded, runs_note, seconds, table
 
 SCRIPT = "faults"
 NUM_PROCESSES = 2
-DEFAULT_RUNS, QUICK_RUNS = 5, 2
 DEFAULT_FAILURE_TIMEOUT_S = 120.0
 #: What the error text should contain to say what happened, per fault.
 EXPLANATIONS = {
@@ -72,32 +62,65 @@ EXPLANATIONS = {
     "hang": "hung",
 }
 
+OPTIONS = Options(__doc__, quick_help="2 runs per fault")
+OPTIONS.add("--runs", type=int, quick=(5, 2), help="trials per fault")
+OPTIONS.add(
+    "--faults",
+    nargs="+",
+    choices=_fault_jobs.FAULTS,
+    default=list(_fault_jobs.FAULTS),
+    help="faults in local mode",
+)
+OPTIONS.add(
+    "--spark-faults",
+    nargs="*",
+    choices=_fault_jobs.FAULTS,
+    default=["raise"],
+    help="faults on local[2] (default: raise)",
+)
+OPTIONS.add(
+    "--heartbeat-timeout-s",
+    type=float,
+    default=2.0,
+    help="heartbeat_timeout_s for the hang (default 2)",
+)
+OPTIONS.add(
+    "--failure-timeout-s",
+    type=float,
+    default=DEFAULT_FAILURE_TIMEOUT_S,
+    help="give up on a trial after this long (default 120)",
+)
+OPTIONS.add(
+    "--no-torchrun", dest="torchrun", action="store_false", help="skip the torchrun baseline"
+)
 
-def survivors() -> int:
-    """This process's descendants that are ranks of a run (warm-pool spares excluded)."""
+
+def ranks(alive: bool) -> Iterator[Any]:
+    """This process's descendants that are ranks of a run (warm-pool spares excluded); with
+    ``alive``, zombies left out."""
     import psutil
 
-    count = 0
     for proc in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if proc.status() != psutil.STATUS_ZOMBIE and (
-                proc.name().startswith("sparkdist-r")
-                or "sparkdist._node.rank.worker" in " ".join(proc.cmdline())
+            if alive and proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.name().startswith("sparkdist-r") or "sparkdist._node.rank.worker" in " ".join(
+                proc.cmdline()
             ):
-                count += 1
-    return count
+                yield proc
+
+
+def survivors() -> int:
+    return sum(1 for _ in ranks(alive=True))
 
 
 def kill_ranks() -> None:
     """After an abandoned trial: kill every rank below this process."""
     import psutil
 
-    for proc in psutil.Process().children(recursive=True):
+    for proc in ranks(alive=False):
         with contextlib.suppress(psutil.Error):
-            if proc.name().startswith("sparkdist-r") or "sparkdist._node.rank.worker" in " ".join(
-                proc.cmdline()
-            ):
-                proc.kill()
+            proc.kill()
 
 
 def sparkdist_trial(
@@ -138,7 +161,7 @@ def sparkdist_trial(
         "named": named,
         "explained": error is not None and EXPLANATIONS[fault] in str(error),
         "survivors": left,
-        "first_error": first_line(error),
+        "first_error": first_line(error, 200),
     }
 
 
@@ -175,13 +198,6 @@ def torchrun_trial(fault: str, args: argparse.Namespace, stamps: str) -> dict[st
     }
 
 
-def first_line(error: BaseException | None, limit: int = 200) -> str:
-    if error is None:
-        return ""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:limit]
-
-
 def run_child(args: argparse.Namespace) -> None:
     """``local``: every fault under sparkdist and torchrun in turns; ``local[2]``: the Spark
     faults under sparkdist."""
@@ -199,32 +215,14 @@ def run_child(args: argparse.Namespace) -> None:
         with tempfile.TemporaryDirectory(prefix="bench-fault-stamps-") as stamps:
             for index in range(args.runs):
                 for fault in faults:
+                    where = {"fault": fault, "round": index}
                     record = sparkdist_trial(fault, local_mode, args, stamps)
-                    append_records(
-                        args.results,
-                        [
-                            {
-                                "mode": args.child,
-                                "launcher": "sparkdist",
-                                "fault": fault,
-                                "round": index,
-                                **record,
-                            }
-                        ],
-                    )
+                    record = {"mode": args.child, "launcher": "sparkdist", **where, **record}
+                    append_records(args.results, [record])
                     if local_mode and fault != "hang" and args.torchrun:
-                        append_records(
-                            args.results,
-                            [
-                                {
-                                    "mode": "local",
-                                    "launcher": "torchrun",
-                                    "fault": fault,
-                                    "round": index,
-                                    **torchrun_trial(fault, args, stamps),
-                                }
-                            ],
-                        )
+                        record = torchrun_trial(fault, args, stamps)
+                        record = {"mode": "local", "launcher": "torchrun", **where, **record}
+                        append_records(args.results, [record])
     finally:
         if session is not None:
             session.stop()
@@ -267,123 +265,43 @@ def summarize(samples: list[dict[str, Any]], heartbeat_timeout_s: float) -> list
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
+def table_of(figures: list[dict[str, Any]]) -> str:
     rows = []
     for f in figures:
         kinds = ", ".join(f"{k} {v}/{f['trials']}" for k, v in sorted(f["outcomes"].items()))
         rows.append(
-            (
-                f["fault"],
-                f["mode"],
-                f["launcher"],
-                seconds(f["median"]),
-                seconds(f["beyond_timeout_s"]),
-                kinds,
-                f"{f['root_cause_named']}/{f['trials']}",
-                f"{f['explained']}/{f['trials']}",
-                str(f["survivors"]),
-                "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
-            )
+            {
+                "fault": f["fault"],
+                "mode": f["mode"],
+                "launcher": f["launcher"],
+                "fault->error": seconds(f["median"]),
+                "beyond timeout": seconds(f["beyond_timeout_s"]),
+                "driver got": kinds,
+                "rank named": f"{f['root_cause_named']}/{f['trials']}",
+                "explained": f"{f['explained']}/{f['trials']}",
+                "survivors": str(f["survivors"]),
+                "notes": runs_note(f["runs"]),
+            }
         )
-    return format_table(
-        (
-            "fault",
-            "mode",
-            "launcher",
-            "fault->error",
-            "beyond timeout",
-            "driver got",
-            "rank named",
-            "explained",
-            "survivors",
-            "notes",
-        ),
-        rows,
-    )
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"trials per fault (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
-    )
-    parser.add_argument(
-        "--faults",
-        nargs="+",
-        choices=_fault_jobs.FAULTS,
-        default=list(_fault_jobs.FAULTS),
-        help="faults in local mode",
-    )
-    parser.add_argument(
-        "--spark-faults",
-        nargs="*",
-        choices=_fault_jobs.FAULTS,
-        default=["raise"],
-        help="faults on local[2] (default: raise)",
-    )
-    parser.add_argument(
-        "--heartbeat-timeout-s",
-        type=float,
-        default=2.0,
-        help="heartbeat_timeout_s for the hang (default 2)",
-    )
-    parser.add_argument(
-        "--failure-timeout-s",
-        type=float,
-        default=DEFAULT_FAILURE_TIMEOUT_S,
-        help="give up on a trial after this long (default 120)",
-    )
-    parser.add_argument(
-        "--no-torchrun", dest="torchrun", action="store_false", help="skip the torchrun baseline"
-    )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} runs per fault")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    return args
+    return table(rows)
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv)
     if args.child:
         run_child(args)
         return
-    common = [
-        "--runs",
-        str(args.runs),
-        "--faults",
-        *args.faults,
-        "--spark-faults",
-        *args.spark_faults,
-        "--heartbeat-timeout-s",
-        str(args.heartbeat_timeout_s),
-        "--failure-timeout-s",
-        str(args.failure_timeout_s),
-    ]
-    if not args.torchrun:
-        common.append("--no-torchrun")
     per_trial_s = 60 + args.failure_timeout_s
+    local_s = 300 + 2 * args.runs * len(args.faults) * per_trial_s
+    spark_s = 300 + args.runs * len(args.spark_faults) * per_trial_s
     samples = []
     with Bench(SCRIPT) as bench:
-        samples += bench.child(
-            "local", common, budget_s=300 + 2 * args.runs * len(args.faults) * per_trial_s
-        )
+        samples += bench.child("local", OPTIONS.forward(args), budget_s=local_s)
         if args.spark_faults:
-            samples += bench.child(
-                "local[2]", common, budget_s=300 + args.runs * len(args.spark_faults) * per_trial_s
-            )
+            samples += bench.child("local[2]", OPTIONS.forward(args), budget_s=spark_s)
     figures = summarize(samples, args.heartbeat_timeout_s)
-    emit(
-        [*figures, bench.machine(runs=args.runs, heartbeat_timeout_s=args.heartbeat_timeout_s)],
-        table(figures),
-    )
+    machine = bench.machine(runs=args.runs, heartbeat_timeout_s=args.heartbeat_timeout_s)
+    emit([*figures, machine], table_of(figures))
 
 
 if __name__ == "__main__":

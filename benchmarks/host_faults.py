@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import markdown_table
+
 from sparkdist._lab.spark import DriverKernel, LabCluster, start_lab_cluster
 from sparkdist._lab.support import probe
 
@@ -199,17 +201,15 @@ def main() -> None:
             figures["sparkdist restart"] = [restart_run(cluster) for _ in range(args.runs)]
         finally:
             cluster.lab.close()
-    print("| scenario | seconds from the fault (median) | runs | error length | error starts |")
-    print("| --- | --- | --- | --- | --- |")
+    rows = []
     for name, runs in figures.items():
         if name.endswith("restart"):
             continue
         times = [r["seconds"] for r in runs if r["seconds"] is not None]
         median = f"{statistics.median(times):.2f} s" if times else "no end within the cap"
-        print(
-            f"| {name} | {median} | {len(runs)} | {runs[0]['error_chars']} | "
-            f"{runs[0]['error'][:80]!r} |"
-        )
+        rows.append([name, median, len(runs), runs[0]["error_chars"], repr(runs[0]["error"][:80])])
+    header = ["scenario", "seconds from the fault (median)", "runs", "error length"]
+    print(markdown_table([*header, "error starts"], rows))
     restarts = figures["sparkdist restart"]
     for key in ("kill_to_function", "kill_to_first_step", "function_start_up"):
         print(f"restart {key}: {statistics.median(r[key] for r in restarts):.2f} s")

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _report import markdown_table
+
 from sparkdist._lab.spark import start_lab_cluster
 from sparkdist._lab.support import probe
 
@@ -138,8 +140,7 @@ def main() -> None:
         "gloo_all_reduce",
         "gloo_destroy",
     ]
-    print("| network | " + " | ".join(names) + " | pyspark / sparkdist_gloo |")
-    print("| --- " * (len(names) + 2) + "|")
+    rows = []
     for network, row in figures.items():
         cells = [f"{row[n]:.3f} s" if row.get(n) is not None else "-" for n in names]
         speedup = (
@@ -147,11 +148,8 @@ def main() -> None:
             if row.get("pyspark") and row.get("sparkdist_gloo")
             else None
         )
-        print(
-            f"| {network} | " + " | ".join(cells) + f" | {speedup:.0f}x |"
-            if speedup
-            else f"| {network} | " + " | ".join(cells) + " | - |"
-        )
+        rows.append([network, *cells, f"{speedup:.0f}x" if speedup else "-"])
+    print(markdown_table(["network", *names, "pyspark / sparkdist_gloo"], rows))
     base, delayed = figures["no delay"], figures[f"+{args.rtt_ms:g} ms RTT"]
     rtt_s = args.rtt_ms / 1000
     growth = {

@@ -39,36 +39,38 @@ import os
 import pickle
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-from _harness import (
-    Bench,
-    PeakSampler,
-    append_records,
-    classic_session,
-    emit,
-    format_table,
-    median,
-    megabytes,
-    rounded,
-    seconds,
-)
+from _harness import Bench, Options, append_records, classic_session
+from _measure import PeakSampler, pickled_by_value
+from _report import emit, median, megabytes, rounded, runs_note, seconds, table, times
 
 SCRIPT = "result_size"
 NUM_PROCESSES = 2
 MB = 1 << 20
 KINDS = ("bytes", "numpy")
-DEFAULT_SIZES_MB, QUICK_SIZES_MB = (10, 100), (10,)
-DEFAULT_RUNS, QUICK_RUNS = 3, 1
 SAMPLE_INTERVAL_S = 0.002
 #: glibc raises its mmap threshold after a large block is freed (up to 32 MB), so a second
 #: 10 MB payload would land in heap memory freed earlier and not show in RSS. A fixed threshold
 #: (set in the children's environment) keeps every block over 1 MB its own mapping, returned
 #: to the OS when freed: RSS deltas then count every copy of the payload.
 MMAP_THRESHOLD = 1 << 20
+
+OPTIONS = Options(__doc__, quick_help="10 MB only, 1 round")
+OPTIONS.add("--runs", type=int, quick=(3, 1), help="rounds")
+OPTIONS.add(
+    "--sizes-mb",
+    type=float,
+    nargs="+",
+    quick=([10, 100], [10]),
+    help="payload sizes in MB of 2^20 bytes; 0 (the launch alone) is always measured",
+)
+OPTIONS.add("--modes", nargs="+", choices=("local", "local[2]"), default=["local", "local[2]"])
+OPTIONS.add(
+    "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
+)
 
 
 def payload(size_mb: float, kind: str, every_rank: bool = False) -> Any:
@@ -119,18 +121,6 @@ def pyspark_call(local_mode: bool) -> Callable[[float, str], Any]:
 def pickle_call(size_mb: float, kind: str) -> Any:
     """The floor: one pickle round trip of the payload in this process."""
     return pickle.loads(pickle.dumps(payload(size_mb, kind), protocol=pickle.HIGHEST_PROTOCOL))
-
-
-@contextlib.contextmanager
-def pickled_by_value(module: ModuleType) -> Iterator[None]:
-    """pyspark's torchrun workers cannot import this script: ship it by value (as launch.py)."""
-    from pyspark import cloudpickle as pyspark_cloudpickle
-
-    pyspark_cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
-    try:
-        yield
-    finally:
-        pyspark_cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
 
 
 def trial(
@@ -202,19 +192,8 @@ def measure(
                     if launcher == "pyspark" and kind != "bytes":
                         continue
                     measured = trial(call, size_mb, kind, jvm_pid if launcher != "pickle" else None)
-                    append_records(
-                        args.results,
-                        [
-                            {
-                                "mode": mode,
-                                "launcher": launcher,
-                                "kind": kind,
-                                "size_mb": size_mb,
-                                "round": index,
-                                **measured,
-                            }
-                        ],
-                    )
+                    where = {"mode": mode, "launcher": launcher, "kind": kind, "size_mb": size_mb}
+                    append_records(args.results, [{**where, "round": index, **measured}])
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -268,97 +247,41 @@ def summarize(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
-    rows = [
-        (
-            f["mode"],
-            f["launcher"],
-            f["kind"],
-            f"{f['size_mb']:g} MB",
-            seconds(f["seconds"]),
-            seconds(f["over_empty_s"]),
-            "-" if f["mb_per_s"] is None else f"{f['mb_per_s']:.0f}",
-            megabytes(f["driver_peak_mb"]),
-            "-" if f["peak_per_payload"] is None else f"{f['peak_per_payload']:.2f}x",
-            megabytes(f["jvm_peak_mb"]),
-            "runs " + " ".join(f"{r:.2f}" for r in f["runs"]),
-        )
-        for f in figures
-    ]
-    return format_table(
-        (
-            "mode",
-            "launcher",
-            "kind",
-            "payload",
-            "time",
-            "over empty",
-            "MB/s",
-            "driver peak",
-            "peak/payload",
-            "JVM peak",
-            "notes",
-        ),
-        rows,
+def table_of(figures: list[dict[str, Any]]) -> str:
+    return table(
+        [
+            {
+                "mode": f["mode"],
+                "launcher": f["launcher"],
+                "kind": f["kind"],
+                "payload": f"{f['size_mb']:g} MB",
+                "time": seconds(f["seconds"]),
+                "over empty": seconds(f["over_empty_s"]),
+                "MB/s": "-" if f["mb_per_s"] is None else f"{f['mb_per_s']:.0f}",
+                "driver peak": megabytes(f["driver_peak_mb"]),
+                "peak/payload": times(f["peak_per_payload"]),
+                "JVM peak": megabytes(f["jvm_peak_mb"]),
+                "notes": runs_note(f["runs"]),
+            }
+            for f in figures
+        ]
     )
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)",
-    )
-    parser.add_argument(
-        "--sizes-mb",
-        type=float,
-        nargs="+",
-        default=None,
-        help="payload sizes in MB of 2^20 bytes (default 10 100; 10 with "
-        "--quick); 0 (the launch alone) is always measured",
-    )
-    parser.add_argument(
-        "--modes", nargs="+", choices=("local", "local[2]"), default=["local", "local[2]"]
-    )
-    parser.add_argument(
-        "--no-pyspark", dest="pyspark", action="store_false", help="skip pyspark's TorchDistributor"
-    )
-    parser.add_argument("--quick", action="store_true", help="10 MB only, 1 round")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.sizes_mb is None:
-        args.sizes_mb = list(QUICK_SIZES_MB if args.quick else DEFAULT_SIZES_MB)
-    args.sizes_mb = sorted({s for s in args.sizes_mb if s > 0})
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    return args
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv)
+    args.sizes_mb = sorted({s for s in args.sizes_mb if s > 0})
     if args.child:
         run_child(args)
         return
-    common = ["--runs", str(args.runs), "--sizes-mb", *map(str, args.sizes_mb)]
-    if not args.pyspark:
-        common.append("--no-pyspark")
-    trials = len(args.sizes_mb) + 1
+    budget_s = 300 + args.runs * (len(args.sizes_mb) + 1) * 240
+    env = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     samples = []
     with Bench(SCRIPT) as bench:
         for mode in args.modes:
-            samples += bench.child(
-                mode,
-                common,
-                budget_s=300 + args.runs * trials * 240,
-                env={"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)},
-            )
+            samples += bench.child(mode, OPTIONS.forward(args), budget_s=budget_s, env=env)
     figures = summarize(samples)
-    emit([*figures, bench.machine(rounds=args.runs, sizes_mb=args.sizes_mb)], table(figures))
+    emit([*figures, bench.machine(rounds=args.runs, sizes_mb=args.sizes_mb)], table_of(figures))
 
 
 if __name__ == "__main__":

@@ -30,27 +30,26 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import _jobs
-from _harness import (
-    Bench,
-    append_records,
-    emit,
-    format_table,
-    median,
-    ratio,
-    rounded,
-    run_torchrun,
-    seconds,
-    times,
-)
+from _harness import Bench, Options, append_records
+from _measure import run_torchrun
+from _report import emit, median, ratio, rounded, runs_note, seconds, table, times
 
 SCRIPT = "scaling"
 DEFAULT_RANKS = (1, 2, 4, 8)
-DEFAULT_RUNS, QUICK_RUNS = 3, 1
-DEFAULT_WARM_RUNS, QUICK_WARM_RUNS = 5, 2
+
+OPTIONS = Options(__doc__, quick_help="1 round, 2 warm runs")
+OPTIONS.add("--runs", type=int, quick=(3, 1), help="rounds: fresh children per rank count")
+OPTIONS.add("--warm-runs", type=int, quick=(5, 2), help="later launches per child")
+OPTIONS.add(
+    "--ranks",
+    type=int,
+    nargs="+",
+    default=list(DEFAULT_RANKS),
+    help="rank counts (default: 1 2 4 8)",
+)
 
 
 def run_child(args: argparse.Namespace) -> None:
@@ -135,83 +134,35 @@ def summarize(samples: list[dict[str, Any]], ranks: list[int]) -> list[dict[str,
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
-    rows = [
-        (
-            str(f["ranks"]),
-            seconds(f["cold_s"]),
-            seconds(f["warm_s"]),
-            seconds(f["second_s"]),
-            seconds(f["third_on_s"]),
-            seconds(f["torchrun_s"]),
-            times(f["cold_vs_torchrun"]),
-            times(f["warm_vs_torchrun"]),
-            f"import sparkdist {seconds(f['import_s'])}; cold runs "
-            + " ".join(f"{c:.2f}" for c in f["cold_runs"]),
-        )
-        for f in figures
-    ]
-    return format_table(
-        (
-            "ranks",
-            "cold",
-            "warm",
-            "2nd run",
-            "3rd+ runs",
-            "torchrun",
-            "cold/torchrun",
-            "warm/torchrun",
-            "notes",
-        ),
-        rows,
+def table_of(figures: list[dict[str, Any]]) -> str:
+    return table(
+        [
+            {
+                "ranks": str(f["ranks"]),
+                "cold": seconds(f["cold_s"]),
+                "warm": seconds(f["warm_s"]),
+                "2nd run": seconds(f["second_s"]),
+                "3rd+ runs": seconds(f["third_on_s"]),
+                "torchrun": seconds(f["torchrun_s"]),
+                "cold/torchrun": times(f["cold_vs_torchrun"]),
+                "warm/torchrun": times(f["warm_vs_torchrun"]),
+                "notes": f"import sparkdist {seconds(f['import_s'])}; "
+                + runs_note(f["cold_runs"], "cold runs "),
+            }
+            for f in figures
+        ]
     )
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"rounds: fresh children per rank count (default {DEFAULT_RUNS}, "
-        f"{QUICK_RUNS} with --quick)",
-    )
-    parser.add_argument(
-        "--warm-runs",
-        type=int,
-        default=None,
-        help=f"later launches per child (default {DEFAULT_WARM_RUNS}, "
-        f"{QUICK_WARM_RUNS} with --quick)",
-    )
-    parser.add_argument(
-        "--ranks",
-        type=int,
-        nargs="+",
-        default=list(DEFAULT_RANKS),
-        help="rank counts (default: 1 2 4 8)",
-    )
-    parser.add_argument("--quick", action="store_true", help="1 round, 2 warm runs")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.warm_runs is None:
-        args.warm_runs = QUICK_WARM_RUNS if args.quick else DEFAULT_WARM_RUNS
-    if args.runs < 1 or args.warm_runs < 1 or min(args.ranks) < 1:
-        parser.error("--runs, --warm-runs and --ranks must be at least 1")
-    return args
 
 
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv, positive=("runs", "warm_runs", "ranks"))
     if args.child:
         run_child(args)
         return
     with Bench(SCRIPT) as bench:
         samples = measure(bench, args)
     figures = summarize(samples, args.ranks)
-    emit([*figures, bench.machine(rounds=args.runs, warm_runs=args.warm_runs)], table(figures))
+    emit([*figures, bench.machine(rounds=args.runs, warm_runs=args.warm_runs)], table_of(figures))
 
 
 if __name__ == "__main__":

@@ -34,24 +34,26 @@ from pathlib import Path
 from typing import Any
 
 import _train_loop
-from _harness import (
-    Bench,
-    append_records,
-    emit,
-    format_table,
-    median,
-    ratio,
-    rounded,
-    run_torchrun,
-    times,
-)
+from _harness import Bench, Options, append_records
+from _measure import run_torchrun
+from _report import emit, median, ratio, rounded, table, times
 
 SCRIPT = "steady_state"
 NUM_PROCESSES = 2
 LAUNCHERS = ("sparkdist", "torchrun", "sparkdist-cold", "sparkdist+report")
-DEFAULT_RUNS, QUICK_RUNS = 5, 2
 TARGET_RATIO = 1.02
 POOL_VAR = "SPARKDIST_WORKER_POOL"
+
+OPTIONS = Options(__doc__, quick_help="2 rounds")
+OPTIONS.add(
+    "--runs",
+    type=int,
+    quick=(5, 2),
+    help="timed rounds; one more untimed warm-up round comes first",
+)
+OPTIONS.add("--steps", type=int, default=200, help="timed steps per run")
+OPTIONS.add("--warmup", type=int, default=20, help="untimed steps first")
+OPTIONS.add("--hidden", type=int, default=256, help="the MLP's hidden width")
 
 
 def run_once(launcher: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -147,85 +149,44 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return figures
 
 
-def table(figures: list[dict[str, Any]]) -> str:
+def table_of(figures: list[dict[str, Any]]) -> str:
     ratios = {f["launcher"]: f["value"] for f in figures if f["figure"] == "step_s_ratio"}
     rows = []
-    for f in figures:
-        if f["figure"] != "step_s":
-            continue
+    for f in (f for f in figures if f["figure"] == "step_s"):
         per_run = " ".join(f"{m * 1e3:.2f}" for m in f["run_medians"])
+        versus = ratios.get(f"{f['launcher']}/torchrun")
         rows.append(
-            (
-                f["launcher"],
-                _ms(f["median"]),
-                _ms(f["p10"]),
-                _ms(f["p90"]),
-                times(ratios.get(f"{f['launcher']}/torchrun"))
-                if f["launcher"] != "torchrun"
-                else "1.00x",
-                f"{f['steps']}",
-                f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
-            )
+            {
+                "launcher": f["launcher"],
+                "median step": _ms(f["median"]),
+                "p10": _ms(f["p10"]),
+                "p90": _ms(f["p90"]),
+                "vs torchrun": times(versus) if f["launcher"] != "torchrun" else "1.00x",
+                "steps": f"{f['steps']}",
+                "notes": f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
+            }
         )
-    return format_table(
-        ("launcher", "median step", "p10", "p90", "vs torchrun", "steps", "notes"), rows
-    )
+    return table(rows)
 
 
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.3f} ms"
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument(
-        "--runs",
-        type=int,
-        default=None,
-        help=f"timed rounds (default {DEFAULT_RUNS}, {QUICK_RUNS} with --quick)"
-        "; one more untimed warm-up round comes first",
-    )
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_RUNS} rounds")
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=20, help="untimed steps first")
-    parser.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--results", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.runs is None:
-        args.runs = QUICK_RUNS if args.quick else DEFAULT_RUNS
-    if args.runs < 1:
-        parser.error("--runs must be at least 1")
-    return args
-
-
 def main(argv: list[str]) -> None:
-    args = parse_args(argv)
+    args = OPTIONS.parse(argv)
     if args.child:
         run_child(args)
         return
     with Bench(SCRIPT) as bench:
         budget_s = 300 + (args.runs + 1) * len(LAUNCHERS) * 120
-        runs = bench.child(
-            "local",
-            [
-                "--runs",
-                str(args.runs),
-                "--steps",
-                str(args.steps),
-                "--warmup",
-                str(args.warmup),
-                "--hidden",
-                str(args.hidden),
-            ],
-            budget_s,
-        )
+        runs = bench.child("local", OPTIONS.forward(args), budget_s)
     figures = summarize(runs)
     records = [
         *figures,
         bench.machine(steps=args.steps, warmup=args.warmup, hidden=args.hidden, rounds=args.runs),
     ]
-    emit(records, table(figures))
+    emit(records, table_of(figures))
     if len({r["launcher"] for r in runs}) < len(LAUNCHERS):
         sys.exit(1)
 

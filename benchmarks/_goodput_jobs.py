@@ -1,0 +1,254 @@
+"""What the ranks of ``goodput.py`` run and what they leave behind.
+
+``train(config)`` is the one training function every launcher runs: ``config["steps"]`` steps
+of a small DDP model over gloo, each step padded with a sleep to ``step_s`` (the step's compute,
+simulated so the figures do not depend on who else uses the cores), and a ``state_mb``
+checkpoint (the model and a ballast tensor) every ``checkpoint_every`` steps, by sparkdist's
+``runtime.save_checkpoint`` (``async_`` and a drain on notice for ``sparkdist async+drain``) or,
+under pyspark, by rank 0 ``torch.save`` as a user would. It writes to the run's directory,
+which is how the rest of the benchmark sees it:
+
+- ``rank-N``: each rank's note at entry (relaunch, restart, pid, start time, host): how the
+  faults find a rank to strike (``read_note``);
+- ``entered.log``: rank 0's time of entry per attempt; ``steps.log``: a line per step rank 0
+  finished (relaunch, restart, step, start, end, world size): the figures (``figures_of``);
+- checkpoints: sparkdist's ``ckpt/step-*/COMMITTED``, or the user's ``user-checkpoint.pt``.
+
+``LAB_DRIVER_CODE`` is the lab driver program's counterpart of the user's retry loop
+(``start_run``): it runs ``train`` (whose source the lab driver gets: it is self-contained) on
+a thread and writes ``ended.json`` when it is done.
+
+Non-goals: the faults (``_goodput_faults``), the launchers' loops and the table (``goodput.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import Any
+
+from _report import rounded
+
+LAB_DRIVER_CODE = """
+import json, os, threading, time
+import sparkdist
+
+def start_run(config, max_restarts):
+    def go():
+        ended = {"errors": []}
+        stop = os.path.join(config["run_dir"], "stop")
+        while not os.path.exists(stop):
+            try:
+                result = sparkdist.Distributor(2, local_mode=False, use_gpu=False,
+                    min_processes=1, max_restarts=max_restarts,
+                    checkpoint_dir=os.path.join(config["run_dir"], "ckpt")).run_all(train, config)
+                ended["attempts"] = [a.summary() for a in result.attempts]
+                break
+            except Exception as error:  # the user's loop: launch again
+                ended["errors"].append(f"{type(error).__name__}: {error}"[:2000])
+                config["relaunch"] += 1
+        ended["at"] = time.time()
+        path = os.path.join(config["run_dir"], "ended.json")
+        with open(path + ".tmp", "w") as out:
+            json.dump(ended, out)
+        os.replace(path + ".tmp", path)
+    threading.Thread(target=go, daemon=True).start()
+"""
+
+
+def run_config(variant: str, run_dir: Path, steps: int, args: argparse.Namespace) -> dict[str, Any]:
+    """``train``'s config for one run: the variant, its directory, ``steps`` and the options."""
+    return {
+        "variant": variant,
+        "run_dir": str(run_dir),
+        "relaunch": 0,
+        "steps": steps,
+        "step_s": args.step_s,
+        "checkpoint_every": args.checkpoint_every,
+        "state_mb": args.state_mb,
+    }
+
+
+def train(config: dict[str, Any]) -> dict[str, Any]:
+    """``config["steps"]`` steps; checkpoints as ``config["variant"]`` says (the module doc).
+
+    Self-contained (the lab's driver gets its source): imports inside, no module globals.
+    """
+    import os
+    import socket
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    on_sparkdist = config["variant"].startswith("sparkdist")
+    draining = config["variant"] == "sparkdist async+drain"
+    if on_sparkdist:
+        from sparkdist import runtime
+    run_dir, rank = config["run_dir"], int(os.environ["RANK"])
+    relaunch, restart = config["relaunch"], runtime.restart_count() if on_sparkdist else 0
+    with open("/proc/self/stat") as stat:  # start time: a pid the faults may strike, not reused
+        started = stat.read().rsplit(")", 1)[1].split()[19]
+    note = os.path.join(run_dir, f"rank-{rank}")
+    with open(note + ".tmp", "w") as out:
+        out.write(f"{relaunch} {restart} {os.getpid()} {started} {socket.gethostname()}\n")
+    os.replace(note + ".tmp", note)
+
+    if rank == 0:  # when the launcher handed over: the function's own start-up follows
+        with open(os.path.join(run_dir, "entered.log"), "a") as out:
+            out.write(f"{relaunch} {restart} {time.time():.6f}\n")
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    requested = runtime.requested_world_size() if on_sparkdist else world
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    ballast = torch.zeros(config["state_mb"] * 2**18)  # float32: the checkpoint's bulk
+    user_path = os.path.join(run_dir, "user-checkpoint.pt")
+    start = 0
+    if on_sparkdist:
+        found = runtime.load_checkpoint()
+        if found is not None:
+            model.load_state_dict(found.state["model"])
+            ballast, start = found.state["ballast"], found.step
+    elif os.path.exists(user_path):
+        saved = torch.load(user_path, weights_only=True)
+        model.load_state_dict(saved["model"])
+        ballast, start = saved["ballast"], saved["step"]
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    log = -1
+    if rank == 0:
+        log = os.open(os.path.join(run_dir, "steps.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    # The same global work on fewer ranks (an elastic restart) takes longer.
+    pause = config["step_s"] * requested / world
+
+    def save(step: int, async_: bool) -> None:
+        state = {"model": model.state_dict(), "ballast": ballast}
+        if on_sparkdist:
+            runtime.save_checkpoint(state, step, async_=async_, keep_last=2)
+        elif rank == 0:  # what a TorchDistributor user writes: rank 0 saves, atomically
+            torch.save({**state, "step": step}, user_path + ".tmp")
+            os.replace(user_path + ".tmp", user_path)
+
+    total, every = config["steps"], config["checkpoint_every"]
+    for step in range(start, total):
+        began = time.time()
+        optimizer.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        optimizer.step()
+        time.sleep(pause)
+        if log >= 0:
+            line = f"{relaunch} {restart} {step} {began:.6f} {time.time():.6f} {world}\n"
+            os.write(log, line.encode())
+        done = step + 1
+        saved = done % every == 0 and done < total
+        if saved:
+            save(done, async_=draining)
+        if draining and runtime.should_stop():  # a notice: save this step, return
+            if not saved:
+                save(done, async_=False)
+            return {"stopped_at": done}
+    return {"start": start, "world": world}
+
+
+def read_note(run_dir: Path, rank: int) -> dict[str, Any] | None:
+    """Rank ``rank``'s latest note: its attempt, pid, start time and host (None: no note)."""
+    try:
+        fields = (run_dir / f"rank-{rank}").read_text().split()
+    except FileNotFoundError:
+        return None
+    attempt = [int(fields[0]), int(fields[1])]
+    return {"attempt": attempt, "pid": int(fields[2]), "started": fields[3], "host": fields[4]}
+
+
+def figures_of(
+    run_dir: Path,
+    steps: int,
+    started: float,
+    wall_s: float,
+    strikes: list[dict[str, Any]],
+    finished: bool,
+) -> dict[str, Any]:
+    """Goodput, steps lost per fault, recovery, from rank 0's ``steps.log``."""
+    attempts = attempts_seen(run_dir)
+    rows = []
+    log = run_dir / "steps.log"
+    if log.exists():
+        for line in log.read_text().splitlines():
+            relaunch, restart, step, began, ended, world = line.split()
+            rows.append(
+                ([int(relaunch), int(restart)], int(step), float(began), float(ended), int(world))
+            )
+    last: dict[int, tuple[float, float]] = {}
+    for _, step, began, ended, _ in sorted(rows, key=lambda r: r[3]):
+        last[step] = (began, ended)
+    counted = steps if finished else checkpointed_step(run_dir)
+    useful = sum(e - b for s, (b, e) in last.items() if s < counted)
+    entries = []
+    if (run_dir / "entered.log").exists():
+        for line in (run_dir / "entered.log").read_text().splitlines():
+            relaunch, restart, at = line.split()
+            entries.append(([int(relaunch), int(restart)], float(at)))
+    recoveries, handovers = [], []
+    for strike in strikes:
+        later = [r[2] for r in rows if r[0] > strike["attempt"] and r[2] >= strike["at"]]
+        if later:
+            recoveries.append(min(later) - strike["at"])
+        entered = [at for a, at in entries if a > strike["attempt"] and at >= strike["at"]]
+        if entered:
+            handovers.append(min(entered) - strike["at"])
+    # Steps each attempt ran that the next one ran again (what each fault cost).
+    starts = {tuple(a): min(r[1] for r in rows if r[0] == a) for a, *_ in rows}
+    order = sorted(starts)
+    lost_by_attempt = [
+        sum(1 for r in rows if tuple(r[0]) == a and r[1] >= starts[b])
+        for a, b in zip(order, order[1:], strict=False)
+    ]
+    step_times = sorted(e - b for b, e in last.values())
+    return {
+        "finished": finished,
+        "wall_s": rounded(wall_s, 2),
+        "goodput": rounded(useful / wall_s if wall_s else None, 3),
+        "counted_steps": counted,
+        "executed_steps": len(rows),
+        "faults": len(strikes),
+        "lost_per_fault": rounded((len(rows) - counted) / len(strikes), 1) if strikes else None,
+        "attempts": len(attempts),
+        "relaunches": max(0, len({a[0] for a in attempts}) - 1),
+        "restarts": len(attempts) - len({a[0] for a in attempts}),
+        "recovery_s": rounded(statistics.median(recoveries) if recoveries else None, 2),
+        "recoveries_s": [rounded(r, 2) for r in recoveries],
+        "fault_to_function_s": rounded(statistics.median(handovers) if handovers else None, 2),
+        "lost_by_attempt": lost_by_attempt,
+        "step_s_median": rounded(step_times[len(step_times) // 2] if step_times else None, 3),
+        "worlds": sorted({r[4] for r in rows}),
+        "strikes_s": [rounded(s["at"] - started, 1) for s in strikes],  # after the launch
+    }
+
+
+def checkpointed_step(run_dir: Path) -> int:
+    """The step the run's newest checkpoint covers: what a relaunch would resume from."""
+    steps = [0]
+    ckpt = run_dir / "ckpt"
+    if ckpt.is_dir():
+        steps += [int(p.name[5:]) for p in ckpt.glob("step-*") if (p / "COMMITTED").exists()]
+    user = run_dir / "user-checkpoint.pt"
+    if user.exists():
+        import torch
+
+        steps.append(int(torch.load(user, weights_only=True)["step"]))
+    return max(steps)
+
+
+def attempts_seen(run_dir: Path) -> list[list[int]]:
+    """Every attempt whose rank 0 entered the training function: [relaunch, restart]."""
+    seen = set()
+    for name in ("entered.log", "steps.log"):
+        if (run_dir / name).exists():
+            lines = (run_dir / name).read_text().splitlines()
+            seen |= {tuple(map(int, line.split()[:2])) for line in lines}
+    return [list(a) for a in sorted(seen)]
