@@ -127,35 +127,35 @@ def instrument(rec: Recorder) -> None:
         ("sparkdist._backends.spark", "SparkBackend.place", "prepare: place"),
         ("sparkdist._engine.launch", "make_plan", "prepare: plan"),
         ("sparkdist._tracking.tracker", "RunTracker.__init__", "tracker start"),
-        ("sparkdist._wire.channel.server.server", "ChannelServer.__init__", "channel start"),
+        ("sparkdist._wire.channel.server", "ChannelServer.__init__", "channel start"),
         ("sparkdist._backends.local", "LocalBackend.start", "backend start"),
         ("sparkdist._backends.spark", "SparkBackend.start", "backend start"),
-        ("sparkdist._node.agent.agent.agent", "Agent.run", "agent run (total)"),
-        ("sparkdist._node.agent.agent.agent", "sweep_dead_owners", "agent: sweep dead owners"),
-        ("sparkdist._node.agent.agent.agent", "refusal_of", "agent: preflight"),
-        ("sparkdist._node.agent.agent.agent", "write_private_file", "agent: write job file"),
-        ("sparkdist._node.agent.agent.agent", "Agent._spawn_all", "agent: spawn ranks (all)"),
-        ("sparkdist._node.agent.agent.agent", "spawn_rank", "agent: spawn one rank"),
-        ("sparkdist._node.agent.agent.ranks", "start_rank", "agent: zygote fork request"),
-        ("sparkdist._node.agent.agent.ranks", "start_time", "agent: rank start time (/proc)"),
-        ("sparkdist._node.agent.agent.ranks", "worker_env", "agent: rank env"),
-        ("sparkdist._node.agent.agent.agent", "DriverLink.connect", "agent: connect channel"),
+        ("sparkdist._node.agent.agent", "Agent.run", "agent run (total)"),
+        ("sparkdist._node.agent.agent", "sweep_dead_owners", "agent: sweep dead owners"),
+        ("sparkdist._node.agent.agent", "refusal_of", "agent: preflight"),
+        ("sparkdist._node.agent.agent", "write_private_file", "agent: write job file"),
+        ("sparkdist._node.agent.agent", "Agent._spawn_all", "agent: spawn ranks (all)"),
+        ("sparkdist._node.agent.agent", "spawn_rank", "agent: spawn one rank"),
+        ("sparkdist._node.agent.ranks", "start_rank", "agent: zygote fork request"),
+        ("sparkdist._node.agent.ranks", "start_time", "agent: rank start time (/proc)"),
+        ("sparkdist._node.agent.ranks", "worker_env", "agent: rank env"),
+        ("sparkdist._node.agent.agent", "DriverLink.connect", "agent: connect channel"),
         (
-            "sparkdist._node.agent.agent.agent",
+            "sparkdist._node.agent.agent",
             "DriverLink.open_outbox",
             "agent: open outbox + hello",
         ),
-        ("sparkdist._node.agent.agent.agent", "Agent._start_threads", "agent: start pump threads"),
-        ("sparkdist._node.agent.agent.agent", "Agent._watch", "agent: watch ranks"),
-        ("sparkdist._node.agent.agent.agent", "outcome_of", "agent: outcome of a rank"),
-        ("sparkdist._node.agent.agent.agent", "DriverLink.say_bye", "agent: bye (flush)"),
-        ("sparkdist._node.agent.agent.agent", "end_ranks", "agent: end ranks (reaper)"),
-        ("sparkdist._node.agent.agent.agent", "DriverLink.close", "agent: close link"),
-        ("sparkdist._node.agent.agent.ranks", "end_processes", "rank exit: reap strays"),
+        ("sparkdist._node.agent.agent", "Agent._start_threads", "agent: start pump threads"),
+        ("sparkdist._node.agent.agent", "Agent._watch", "agent: watch ranks"),
+        ("sparkdist._node.agent.agent", "outcome_of", "agent: outcome of a rank"),
+        ("sparkdist._node.agent.agent", "DriverLink.say_bye", "agent: bye (flush)"),
+        ("sparkdist._node.agent.agent", "end_ranks", "agent: end ranks (reaper)"),
+        ("sparkdist._node.agent.agent", "DriverLink.close", "agent: close link"),
+        ("sparkdist._node.agent.ranks", "end_processes", "rank exit: reap strays"),
         ("sparkdist._engine.launch", "supervise", "driver: supervise"),
         ("sparkdist._engine.launch", "result_of", "driver: results (unpickle)"),
         ("sparkdist._tracking.tracker", "RunTracker.close", "driver: tracker close"),
-        ("sparkdist._wire.channel.server.server", "ChannelServer.close", "driver: channel close"),
+        ("sparkdist._wire.channel.server", "ChannelServer.close", "driver: channel close"),
     ]
     for module_name, attribute, label in steps:
         rec.wrap(module_name, attribute, label)
@@ -165,7 +165,7 @@ def instrument(rec: Recorder) -> None:
 def _watch_messages(rec: Recorder) -> None:
     """First sight of each message, at the agent (local mode) and at the driver."""
     from sparkdist._engine import supervisor
-    from sparkdist._node.agent.agent import agent, driver_link, ranks
+    from sparkdist._node.agent import agent, driver_link, ranks
 
     def named(message: Any) -> str:
         rank = getattr(message, "rank", None)

@@ -1,7 +1,7 @@
 """What a node's system sampler costs (issue 22: at most 1% of a node's CPU at the default
 10 s interval).
 
-The real ``NodeSampler`` (``sparkdist._node.agent.agent.sampler``) samples ``--ranks`` real rank
+The real ``NodeSampler`` (``sparkdist._node.agent.sampler``) samples ``--ranks`` real rank
 stand-ins: each a sleeping Python process with ``--children`` children of its own, so the
 ranks' process trees are as deep as a data loader makes them. Two figures:
 
@@ -40,8 +40,8 @@ import time
 from typing import Any
 
 import psutil
-from sparkdist._node.agent.agent.sampler import NodeSampler
 
+from sparkdist._node.agent.sampler import NodeSampler
 from sparkdist._wire import protocol
 
 _STAND_IN = """
