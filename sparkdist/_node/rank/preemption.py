@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from sparkdist._core.world import initialized_dist
-from sparkdist._node.rank import agent_link as _agent_link
-from sparkdist._node.rank import drain as _drain
 
 __all__ = ["on_preemption", "should_stop"]
 
@@ -42,6 +40,10 @@ def should_stop() -> bool:
         ...         runtime.save_checkpoint(state, step + 1)
         ...         return
     """
+    # Imported when asked, not with ``sparkdist.runtime`` (a driver's import stays light).
+    from sparkdist._node.rank import agent_link as _agent_link
+    from sparkdist._node.rank import drain as _drain
+
     if _agent_link.own_rank() is None:
         return False
     if _drain.agreed():  # every rank answered True at the same call: no collective needed
@@ -87,6 +89,10 @@ def on_preemption(callback: Callable[[str], object]) -> None:
     Example:
         >>> runtime.on_preemption(lambda why: print("preempted:", why, flush=True))
     """
+    # Imported when asked, not with ``sparkdist.runtime`` (a driver's import stays light).
+    from sparkdist._node.rank import agent_link as _agent_link
+    from sparkdist._node.rank import drain as _drain
+
     if _agent_link.own_rank() is not None:
         _drain.on_preemption(callback)
 
