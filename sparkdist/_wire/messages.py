@@ -203,6 +203,16 @@ class Beat:
 
 
 @dataclass(frozen=True)
+class Done:
+    """Worker to agent: ``rank`` wrote its outcome (its value or failure file) and now exits
+    with ``exit_code``; nothing it does after this changes the run (``watchdog``)."""
+
+    rank: int
+    exit_code: int
+    kind: ClassVar[str] = "done"
+
+
+@dataclass(frozen=True)
 class Alive:
     """Either way on the control channel: this end is still there (``liveness``); sent when
     nothing else went for a beat's interval."""
@@ -317,6 +327,7 @@ Message: TypeAlias = (
     | Report
     | Sample
     | Beat
+    | Done
     | Alive
     | Rendezvous
     | Abort

@@ -62,6 +62,7 @@ from sparkdist._wire.messages import (
     Bye,
     ClientHello,
     ClientProof,
+    Done,
     Drain,
     Failed,
     Hello,
@@ -89,6 +90,7 @@ __all__ = [
     "Bye",
     "ClientHello",
     "ClientProof",
+    "Done",
     "Drain",
     "Failed",
     "Hello",
@@ -221,6 +223,7 @@ def _kinds() -> dict[str, _Kind]:
             ),
         ),
         (Beat, frozenset({worker}), (("rank", _RANK, True),)),
+        (Done, frozenset({worker}), (("rank", _RANK, True), ("exit_code", integer(), True))),
         (Alive, frozenset({to_driver, to_agent}), ()),
         (
             Rendezvous,

@@ -211,6 +211,33 @@ def test_hung_rank_is_named_with_its_stack_and_the_run_stops():
     assert not run_processes()
 
 
+def returns_then_hangs_at_exit():
+    import atexit
+
+    def hang_in_an_atexit_hook():
+        time.sleep(3600)
+
+    if os.environ["RANK"] == "0":
+        atexit.register(hang_in_an_atexit_hook)
+    return f"value of rank {os.environ['RANK']}"
+
+
+def test_a_rank_that_wrote_its_outcome_but_never_exits_is_ended_and_its_value_stands(
+    monkeypatch, capfd
+):
+    from sparkdist._node.agent import watchdog
+
+    monkeypatch.setattr(watchdog, "EXIT_AFTER_DONE_S", 2.0)
+    started = time.monotonic()
+    result = Distributor(2, use_gpu=False, timeout_s=100).run_all(returns_then_hangs_at_exit)
+    assert result.values == ["value of rank 0", "value of rank 1"]
+    assert time.monotonic() - started < 30
+    _, err = capfd.readouterr()
+    assert "rank 0 wrote its outcome 2 s ago but its process has not exited" in err
+    assert "hang_in_an_atexit_hook" in err  # its stack, dumped before it was ended
+    assert not run_processes()
+
+
 def segfaults_on_rank_zero():
     import ctypes
 

@@ -81,6 +81,7 @@ MESSAGES: dict[type, st.SearchStrategy] = {
         gpus=names,
     ),
     protocol.Beat: st.builds(protocol.Beat, rank=ranks),
+    protocol.Done: st.builds(protocol.Done, rank=ranks, exit_code=st.integers(-64, 255)),
     protocol.Rendezvous: st.builds(
         protocol.Rendezvous,
         master_port=ports,

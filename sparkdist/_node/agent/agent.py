@@ -40,7 +40,7 @@ from sparkdist._node.agent.network import decide_node_network
 from sparkdist._node.agent.node_drain import NodeDrain, own_signals
 from sparkdist._node.agent.outbox import Outbox
 from sparkdist._node.agent.outcomes import detached_outcomes, outcome_of
-from sparkdist._node.agent.output import pump_lines, pump_notes, stderr_noise
+from sparkdist._node.agent.output import finish_reading, pump_lines, pump_notes, stderr_noise
 from sparkdist._node.agent.partition import partition_path, write_partition
 from sparkdist._node.agent.preflight import refusal_of
 from sparkdist._node.agent.ranks import (
@@ -52,7 +52,12 @@ from sparkdist._node.agent.ranks import (
 )
 from sparkdist._node.agent.sampler import sampling
 from sparkdist._node.agent.spec import AgentSpec
-from sparkdist._node.agent.watchdog import check_heartbeats, next_check_in_s
+from sparkdist._node.agent.watchdog import (
+    check_heartbeats,
+    end_ranks_past_their_exit,
+    next_check_in_s,
+    next_exit_bound_in_s,
+)
 from sparkdist._node.host.interfaces import NodeNetwork
 from sparkdist._node.pool.rank_process import StartStop, StartStopped
 from sparkdist._shipping.code import unpack_code
@@ -63,8 +68,6 @@ __all__ = ["Agent", "run_agent"]
 
 logger = logging.getLogger("sparkdist")
 
-#: How long, after the last rank exited, its output may take to be read to the end.
-OUTPUT_READ_TIMEOUT_S = 5.0
 #: After the driver's channel closed mid-run, how long the ranks may go on without it (unless
 #: ``heartbeat_timeout_s`` is set: then that long). Documented in docs/restarts.md.
 DRIVER_LOSS_GRACE_S = 60.0
@@ -184,7 +187,8 @@ class Agent:
             self.link.start()
             with sampling(self.spec, self.workers, outbox.line):  # system metrics, if asked
                 self._watch(outbox)
-            self._finish_reading()
+            if not self.aborting:  # stopped ranks' strays go in ``finally``: no wait for them
+                finish_reading(self.workers.values())
             outcomes = [self._outcome_of(w) for w in self.workers.values()]
             self.link.say_bye()  # after the last output line: the driver knows it is complete
             if self.link.detached is not None:
@@ -265,13 +269,16 @@ class Agent:
         def exited(worker: RankHandle, code: int) -> None:
             self.events.put(("exit", (worker, code)))
 
+        def done() -> None:  # a rank's outcome is in: its exit is bounded from now
+            self.events.put(("done", None))
+
         # The ranks' own view of the setting: env= over this process's environment.
         noise = stderr_noise({**os.environ, **self.spec.extra_env})
         for worker in self.workers.values():
             targets: list[tuple[Callable[..., None], tuple[Any, ...]]] = [
                 (pump_lines, (worker, worker.proc.stdout, protocol.Stream.STDOUT, outbox)),
                 (pump_lines, (worker, worker.proc.stderr, protocol.Stream.STDERR, outbox, noise)),
-                (pump_notes, (worker, outbox, self.link.send_control, self._rank_preempted)),
+                (pump_notes, (worker, outbox, self.link.send_control, self._rank_preempted, done)),
                 (wait_for_exit, (worker, self.spec, exited)),
             ]
             for target, args in targets:
@@ -306,6 +313,7 @@ class Agent:
                 kind, payload = self.events.get(timeout=self._until_next_check())
             except queue.Empty:
                 self._check_hangs(outbox)
+                end_ranks_past_their_exit(self.workers.values(), self.spec, outbox)
                 self._check_driver_loss()
                 if (late := self.node_drain.overdue(time.monotonic())) is not None:
                     self._abort(late)
@@ -346,7 +354,10 @@ class Agent:
     def _until_next_check(self) -> float | None:
         if self.aborting:
             return None
-        waits = [next_check_in_s(self.workers.values(), self.spec.heartbeat_timeout_s)]
+        waits = [
+            next_check_in_s(self.workers.values(), self.spec.heartbeat_timeout_s),
+            next_exit_bound_in_s(self.workers.values()),
+        ]
         if self.driver_lost_at is not None:
             grace_ends = self.driver_lost_at + self._driver_loss_grace_s()
             waits.append(max(0.0, grace_ends - time.monotonic()))
@@ -378,17 +389,6 @@ class Agent:
             self.abort_reason = reason
             workers = list(self.workers.values())
         end_ranks(workers, self.spec)
-
-    def _finish_reading(self) -> None:
-        """Wait until every rank's output is read to its end (the pipes close once the rank and
-        its strays are gone): a rank's exit can be seen before its last lines are, and the bye
-        that follows tells the driver the output is complete."""
-        if self.aborting:
-            return  # stopped ranks: their strays go in ``finally``, not worth waiting for
-        deadline = time.monotonic() + OUTPUT_READ_TIMEOUT_S
-        for worker in self.workers.values():
-            for thread in worker.threads:
-                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _outcome_of(self, worker: RankHandle) -> Outcome:
         return outcome_of(

@@ -128,10 +128,30 @@ def _nearest_jvm() -> tuple[int, str] | None:
     return None
 
 
+#: ``/proc/<pid>/stat``'s flags bit the kernel sets when a task begins to exit (a SIGKILL, the
+#: OOM killer, or its own ``exit``): from then on it never runs user code again.
+PF_EXITING = 0x4
+
+
 def _alive(pid: int, started: str) -> bool:
-    """Whether the process ``pid`` that started at ``started`` still runs (not a zombie)."""
-    stat = _process_stat(pid)
-    return stat is not None and stat[0] != "Z" and stat[19] == started
+    """Whether the process ``pid`` that started at ``started`` still runs (``still_running``)."""
+    return still_running(_process_stat(pid), started)
+
+
+def still_running(stat: list[str] | None, started: str) -> bool:
+    """Whether a process whose ``/proc`` stat fields (after the command name) are ``stat``, and
+    which started at ``started``, still runs: it exists, is the same process (start time), is
+    no zombie, and has not begun to exit.
+
+    The last matters for a killed JVM: its sockets close (PySpark's daemon sees that and sends
+    SIGHUP) while the kernel is still tearing the dying process down, before it turns zombie.
+    """
+    if stat is None or len(stat) < 20 or stat[19] != started or stat[0] in ("Z", "X", "x"):
+        return False
+    try:
+        return not int(stat[6]) & PF_EXITING
+    except ValueError:
+        return True  # an unreadable flags field says nothing against it
 
 
 @contextlib.contextmanager

@@ -43,7 +43,7 @@ def outcome_of(
         abort_reason: why the agent is ending its ranks, or None while it is not.
     """
     drain(rank)  # its last lines are complete only once its pumps are done
-    seat, code = rank.seat, rank.proc.returncode
+    seat, code = rank.seat, rank.exit_code()
     wall = (rank.ended or time.monotonic()) - rank.started
     value_file = value_path(run_dir, seat.rank)
     failure_file = failure_path(run_dir, seat.rank)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import IO, TYPE_CHECKING
 
 from sparkdist._core.lines import is_c10d_hostname_warning, read_lines, shows_c10d_hostname_warning
@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 LAST_LINES = 30
 #: How long an exited rank's output may still be drained.
 OUTPUT_DRAIN_S = 1.0
+#: How long, after the last rank exited, its output may take to be read to the end.
+OUTPUT_READ_TIMEOUT_S = 5.0
 
 
 def pump_lines(
@@ -63,12 +65,13 @@ def pump_notes(
     outbox: Outbox,
     send_control: Callable[[protocol.Message], None],
     on_preempted: Callable[[str], None] | None = None,
+    on_done: Callable[[], None] | None = None,
 ) -> None:
     """Act on every note the rank sends until its end of file.
 
     ``send_control`` takes what the rendezvous needs (the store's port): to the driver, or
     to a detached node's own rendezvous. ``on_preempted`` takes a preemption notice the rank
-    got (its ``why``).
+    got (its ``why``); ``on_done`` is called once the rank said its outcome is written.
     """
     notes = rank.notes
     number = rank.seat.rank
@@ -83,6 +86,10 @@ def pump_notes(
             case protocol.Preempted(why=why):
                 if on_preempted is not None:
                     on_preempted(why)
+            case protocol.Done(exit_code=code):
+                rank.done(code)
+                if on_done is not None:
+                    on_done()
             case protocol.Ready() | protocol.Beat() | protocol.Report():
                 rank.heard_from()
                 # The rank is the one this pipe belongs to, whatever the note says.
@@ -104,3 +111,13 @@ def drain(rank: RankHandle) -> None:
     deadline = time.monotonic() + OUTPUT_DRAIN_S
     for thread in rank.threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def finish_reading(ranks: Collection[RankHandle]) -> None:
+    """Wait until every rank's output is read to its end (the pipes close once the rank and
+    its strays are gone): a rank's exit can be seen before its last lines are, and the bye
+    that follows tells the driver the output is complete."""
+    deadline = time.monotonic() + OUTPUT_READ_TIMEOUT_S
+    for rank in ranks:
+        for thread in rank.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

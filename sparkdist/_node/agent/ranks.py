@@ -76,6 +76,9 @@ class RankHandle:
         self.last_beat_wall = 0.0
         self.hung_for_s: float | None = None
         self.stop_marker = ""  # its ``drain.stop_marker_path``, once spawned
+        self.done_at: float | None = None  # monotonic; when it said its outcome is written
+        self.done_code = 0  # the exit code it said it exits with then
+        self.ended_after_done = False  # we ended it: it did not exit after its outcome
 
     def tell(self, message: protocol.Message) -> None:
         """Send ``message`` down the rank's command pipe (nothing if it already exited)."""
@@ -94,6 +97,16 @@ class RankHandle:
                     pass
             except OSError:
                 pass  # there already, or the run directory is gone (so is the rank)
+
+    def done(self, code: int) -> None:
+        """Record its ``Done``: its outcome is written, it exits with ``code``."""
+        self.done_code, self.done_at = code, time.monotonic()
+
+    def exit_code(self) -> int | None:
+        """Its exit code: the one it announced if we ended it after its outcome was written
+        (``watchdog``), else its process's own (None while it runs)."""
+        code = self.proc.returncode
+        return self.done_code if code is not None and self.ended_after_done else code
 
     def heard_from(self) -> None:
         """Record a sign of life (joined, a beat, a report) for the hang watchdog."""
@@ -199,7 +212,9 @@ def wait_for_exit(
 
     Runs on a thread of its own per rank.
     """
-    code = rank.proc.wait()
+    rank.proc.wait()
+    code = rank.exit_code()
+    assert code is not None  # it exited
     rank.ended = time.monotonic()
     rank.ended_at = time.time()
     on_exit(rank, code)

@@ -96,9 +96,9 @@ def main() -> None:
         code = _exit_code_of(exc)
         if code == 0:
             _write_atomically(value_path(result_dir, rank), _dumps(None))
-            _exit(0)
+            _exit(0, link)
         _write_failure(result_dir, rank, exc, code)
-        _exit(code)
+        _exit(code, link)
     else:
         try:
             data = _dumps(value)
@@ -108,9 +108,9 @@ def main() -> None:
                 f"pickled to send it to the driver: {exc}"
             )
             _write_failure(result_dir, rank, failure, 1)
-            _exit(1)
+            _exit(1, link)
         _write_atomically(value_path(result_dir, rank), data)
-        _exit(0)
+        _exit(0, link)
 
 
 def _network_of(env: Mapping[str, str]) -> str:
@@ -297,14 +297,19 @@ def _skip_teardown_only_finalizers() -> None:
         pass
 
 
-def _exit(code: int) -> None:
-    """Run the atexit hooks user code and libraries rely on, flush, and leave at once.
+def _exit(code: int, link: agent_link.AgentLink) -> None:
+    """Tell the agent the outcome is written, run the atexit hooks user code and libraries rely
+    on, flush, and leave at once.
 
+    The agent bounds what follows (``watchdog.EXIT_AFTER_DONE_S``): an atexit hook or a library
+    thread that never lets the process end cannot hold the run once its outcome is in.
     Skipping interpreter teardown matters: destroying torch's C++ objects (rank 0's store
     server thread above all) while peers are still connected can abort the process
     ("terminate called without an active exception") after its result was already written.
     This is what multiprocessing does for its children too.
     """
+    code = code if 0 <= code <= 255 else 1
+    link.send(protocol.Done(link.rank, code))
     _skip_teardown_only_finalizers()
     try:
         atexit._run_exitfuncs()
@@ -315,7 +320,7 @@ def _exit(code: int) -> None:
             stream.flush()
         except Exception:
             pass
-    os._exit(code if 0 <= code <= 255 else 1)
+    os._exit(code)
 
 
 if __name__ == "__main__":
