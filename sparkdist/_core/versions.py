@@ -223,6 +223,11 @@ def versions_match(found: str, wanted: str, major_minor_only: bool = False) -> b
     )
 
 
+def release_of(version: str) -> tuple[int, ...]:
+    """The release numbers of ``version`` ("2.13.0+cpu" -> (2, 13, 0)); () if it has none."""
+    return _release(version)[0]
+
+
 def _release(version: str) -> tuple[tuple[int, ...], str]:
     match = _RELEASE.match(version.strip())
     if match is None:

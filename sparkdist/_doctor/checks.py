@@ -22,9 +22,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from sparkdist._core.supported import describe
 from sparkdist._doctor.network import CHECK_NAME, network_check
 from sparkdist._doctor.network_probe import ClusterProbe
 from sparkdist._doctor.progress import Progress, Silent
+from sparkdist._doctor.ranges import in_range
 from sparkdist._doctor.spark import (
     SPARK_PROBE_TIMEOUT_S,
     SparkProbe,
@@ -254,7 +256,9 @@ def check_torch(info: TorchInfo) -> Check:
         )
     build = f"CUDA {info.cuda} build" if info.cuda else "CPU build (no CUDA)"
     backends = "gloo, nccl" if info.nccl else "gloo"
-    return Check("torch", Status.OK, f"{info.version}, {build}; backends: {backends}")
+    return in_range(
+        "torch", info.version, f"{describe('torch', info.version)}, {build}; backends: {backends}"
+    )
 
 
 def check_gpus(gpus: Sequence[Gpu], torch: TorchInfo, *, nvidia_smi: bool) -> Check:
@@ -290,4 +294,4 @@ def check_gpus(gpus: Sequence[Gpu], torch: TorchInfo, *, nvidia_smi: bool) -> Ch
 def check_optional(name: str, version: str | None, fix: str) -> Check:
     if version is None:
         return Check(name, Status.NOTE, "not installed", fix)
-    return Check(name, Status.OK, version)
+    return in_range(name, version)

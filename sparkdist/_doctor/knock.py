@@ -21,6 +21,8 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sparkdist._core.addresses import ip_literal, pick_address
+from sparkdist._core.supported import SUPPORTED
+from sparkdist._core.versions import installed_version
 from sparkdist._doctor.network import NodeObservation, Reach
 from sparkdist._node.host.interfaces import interface_of
 
@@ -210,4 +212,5 @@ def observe_here(task: int, address: str, timeout_s: float) -> NodeObservation:
         host_name=name,
         name_addresses=addresses,
         name_error=error,
+        versions={entry.name: installed_version(entry.name) for entry in SUPPORTED},
     )

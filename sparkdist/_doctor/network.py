@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparkdist._core.addresses import ip_literal, is_loopback
+from sparkdist._core.supported import describe, outside_range
 from sparkdist._doctor.table import Check, Status
 from sparkdist._wire.channel.client import CONNECT_TIMEOUT_S as CHANNEL_CONNECT_TIMEOUT_S
 
@@ -68,6 +69,7 @@ class NodeObservation:
         driver: its attempt at the driver's listener.
         task0: its attempt at task 0's test port.
         error: the probe itself failed in this task ("" when it did not).
+        versions: the executor's pyspark, torch, MLflow and DeepSpeed (None: not installed).
     """
 
     task: int
@@ -79,6 +81,7 @@ class NodeObservation:
     driver: Reach = field(default_factory=lambda: Reach("", False, "not tried"))
     task0: Reach = field(default_factory=lambda: Reach("", False, "not tried"))
     error: str = ""
+    versions: Mapping[str, str | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,14 @@ def judge_observation(seen: NodeObservation) -> list[Finding]:
                 f"{seen.address} (the address Spark reached it at)",
                 "fine for sparkdist (it sets GLOO_SOCKET_IFNAME), but other tools advertise "
                 f"that address: map {name} to {seen.address} in /etc/hosts or DNS",
+            )
+        )
+    for name, version, entry in outside_range(seen.versions):
+        found.append(
+            Finding(
+                Status.NOTE,
+                f"its {name} is {describe(name, version)}",
+                entry.fix() + " on the executors (their image, cluster libraries or init script)",
             )
         )
     if not found:

@@ -28,6 +28,7 @@ from sparkdist._core.launch.placement import (
     check_cluster_conf,
     place_on_cluster,
 )
+from sparkdist._doctor.ranges import in_range
 from sparkdist._doctor.table import Check, Status
 
 EXECUTOR_GPU_KEY = "spark.executor.resource.gpu.amount"
@@ -124,7 +125,7 @@ def check_pyspark(version: str | None) -> Check:
             "not installed",
             "pip install 'sparkdist[spark]' (local mode alone works without it)",
         )
-    return Check("pyspark", Status.OK, version)
+    return in_range("pyspark", version)
 
 
 class SparkProbe:

@@ -60,6 +60,19 @@ def test_a_task_that_saw_nothing_wrong_is_one_ok_finding_naming_its_addresses():
     assert "10.0.0.2, fd00::2" in finding.what and finding.fix == ""
 
 
+def test_an_executor_with_a_pyspark_outside_the_tested_range_is_a_note_with_the_fix():
+    versions = {"pyspark": "3.4.1", "torch": "2.13.0+cpu", "mlflow": None, "deepspeed": None}
+    [finding] = judge_observation(observed(versions=versions))
+    assert finding.status is Status.NOTE
+    assert "pyspark is 3.4.1 (OUTSIDE the tested range >=3.5,<5)" in finding.what
+    assert "pip install 'pyspark>=3.5,<5'" in finding.fix and "executors" in finding.fix
+    in_range = {**versions, "pyspark": "3.5.0"}
+    assert statuses(observed(versions=in_range)) == [Status.OK]
+    # What an executor reports travels as JSON to the driver and back unchanged.
+    report = reported(observed(versions=versions))
+    assert report_from_json(report_to_json(report)) == report
+
+
 def test_a_node_that_cannot_reach_task_0_is_a_problem_with_the_open_ports_fix():
     seen = observed(task=1, address="10.0.0.3", task0=Reach(TASK0, False, "connection refused"))
     [finding] = judge_observation(seen)
