@@ -28,8 +28,9 @@ from sparkdist._backends.job_file import (
 )
 from sparkdist._backends.session import is_connect
 from sparkdist._core.addresses import task_host
-from sparkdist._core.errors import ClusterError
+from sparkdist._core.errors import ClusterError, ConfigError
 from sparkdist._core.launch.placement import cuda_visible_devices
+from sparkdist._core.run.run_state import NO_ROWS
 from sparkdist._node.agent.agent import run_agent
 from sparkdist._node.agent.spec import AgentSpec
 
@@ -115,6 +116,10 @@ class BarrierStage:
             # stage needs exactly one per task.
             frame = frame.repartition(self._num_tasks)
         rows = frame.mapInArrow(arrow_task, "outcome binary", barrier=True).collect()
+        if not rows and self._dataframe is not None and self._dataframe.isEmpty():
+            # Spark 3.5's adaptive execution drops the stage whose input turned out empty
+            # (AQEPropagateEmptyRelation), barrier or not: no task ran, no agent could say why.
+            raise ConfigError(NO_ROWS)
         return [bytes(row.outcome) for row in rows]
 
     def cancel(self) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 from sparkdist._core.errors import (
     ClusterError,
+    ConfigError,
     RankFailure,
     RendezvousError,
     RunTimeoutError,
@@ -54,8 +55,8 @@ def stage_failure(
 ) -> BaseException:
     """The agents' side itself failed (an executor died, a task raised before its agent ran,
     a detached node reported its ranks' failures in its task error)."""
-    if isinstance(error, (ClusterError, WorkerFailedError)):
-        return error
+    if isinstance(error, (ClusterError, ConfigError, WorkerFailedError)):
+        return error  # the stage's own verdict (an empty DataFrame: ``stage``)
     detached = {f.rank: f for f in failures_in(str(error))}
     if detached:
         failed = WorkerFailedError(detached, detached[root_of(detached, state, {})])

@@ -327,9 +327,15 @@ def result_of(
     failures = {o.rank: o.failure for o in outcomes if o.failure}
     missing = sorted(set(range(placement.world_size)) - set(by_rank))
     if failures or missing:
+        # The stage ended without these ranks' outcomes and without an error (an agent's own
+        # error fails the stage, and says why): Spark ran fewer tasks than the run has nodes.
+        why = (
+            f"never reported back: the Spark stage ended with the outcomes of {len(by_rank)} of "
+            f"{placement.world_size} ranks and no error; Spark ran no task for this rank's node"
+        )
         for rank in missing:
             failures[rank] = RankFailure(
-                rank=rank, host="", exit_code=None, exc_type="", message="never reported back"
+                rank=rank, host="", exit_code=None, exc_type="", message=why
             )
         release_values(outcomes)  # the ranks that did finish: their values go unread
         raise failure_error(failures, monitor.state, by_rank)

@@ -33,6 +33,12 @@ from sparkdist._core.launch.numbering import isolated_gpus_warning, known_task_h
 ABRUPT_DEATH_SLACK_S = 0.5
 #: After the first failure, how long the agents get to report before the stage is cancelled.
 FAILURE_GRACE_S = 30.0
+#: Why a run with an empty DataFrame is refused (however the empty input shows: no rows per
+#: rank, or, on Spark 3.5, no barrier task at all).
+NO_ROWS = (
+    "the DataFrame has no rows: every rank would train on nothing; check its filters, or pass "
+    "a DataFrame with data"
+)
 
 
 class StopCause(enum.Enum):
@@ -491,10 +497,7 @@ class RunState:
             return
         ordered = [self.rows.get(rank, 0) for rank in range(self.world_size)]
         if sum(ordered) == 0:
-            self.data_error = (
-                "the DataFrame has no rows: every rank would train on nothing; check its "
-                "filters, or pass a DataFrame with data"
-            )
+            self.data_error = NO_ROWS
         elif 0 in ordered:
             empty = [rank for rank, n in enumerate(ordered) if n == 0]
             self.data_error = (
