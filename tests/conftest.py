@@ -26,6 +26,7 @@ from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR, RankProcess
 
 # The JVM flags of the tests' short-lived JVMs are the lab's (start-up matters, not peak speed).
 from sparkdist._lab.spark import FAST_JVM_OPTIONS as FAST_JVM_OPTIONS
+from tests._helpers.spark import NO_CONNECT_SERVER_ON_3, pyspark_major
 
 # All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
 os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
@@ -116,6 +117,8 @@ def spark_cluster() -> Any:
 @pytest.fixture
 def spark_connect() -> Any:
     """A Spark Connect session on a local server (local[2]), shared by the test session."""
+    if pyspark_major() < 4:
+        pytest.skip(NO_CONNECT_SERVER_ON_3)
     return spark_session("connect:local[2]")
 
 

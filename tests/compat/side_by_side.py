@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tests._helpers.spark import pyspark_major
+
 #: The public attributes of pyspark's instances (after construction), compared by value.
 TORCH_ATTRIBUTES = (
     "num_processes",
@@ -25,6 +27,22 @@ TORCH_ATTRIBUTES = (
     "is_spark_local_master",
 )
 DEEPSPEED_ATTRIBUTES = (*TORCH_ATTRIBUTES, "deepspeed_config", "cleanup_deepspeed_conf")
+
+
+def assert_refused_where_pyspark_3_hangs(theirs: Observed, ours: Observed) -> None:
+    """A GPU count that is not a multiple of ``spark.task.resource.gpu.amount``: pyspark 4 and
+    sparkdist refuse it when the distributor is made; pyspark 3.5 accepts it and at ``run``
+    starts ``ceil(n / amount)`` tasks whose torchrun waits for ``n`` nodes, a rendezvous that
+    never completes. The one deliberate difference from pyspark 3.5 (docs/platforms.md)."""
+    if pyspark_major() >= 4:
+        assert_same(theirs, ours)
+        return
+    assert (
+        theirs.raised_in is None
+        and theirs.attributes["num_tasks"] < theirs.attributes["num_processes"]
+    ), theirs
+    assert ours.raised_in == "init" and isinstance(ours.error, RuntimeError), ours.error
+    assert "is not a multiple of spark.task.resource.gpu.amount" in str(ours.error)
 
 
 def pyspark_classes() -> dict[str, type]:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.compat.side_by_side import assert_same, both
+from tests.compat.side_by_side import assert_refused_where_pyspark_3_hangs, assert_same, both
 
 pytest.importorskip("pyspark")
 pytestmark = pytest.mark.spark
@@ -81,7 +81,16 @@ def by_value():
 def test_torch_distributor_construction(spark_local, settings, kwargs):
     with runtime_conf(spark_local, **conf(**settings)):
         theirs, ours = both("TorchDistributor", kwargs)
-    assert_same(theirs, ours)
+    remote_gpus = kwargs.get("use_gpu") and kwargs.get("local_mode") is False
+    if remote_gpus and _indivisible(settings, kwargs["num_processes"]):
+        assert_refused_where_pyspark_3_hangs(theirs, ours)
+    else:
+        assert_same(theirs, ours)
+
+
+def _indivisible(settings: dict[str, str], processes: int) -> bool:
+    amount = settings.get(GPU, "")
+    return amount.isdigit() and int(amount) > 1 and processes % int(amount) != 0
 
 
 @pytest.mark.parametrize(
@@ -103,7 +112,12 @@ def test_torch_distributor_construction(spark_local, settings, kwargs):
 def test_deepspeed_distributor_construction(spark_local, settings, kwargs):
     with runtime_conf(spark_local, **conf(**settings)):
         theirs, ours = both("DeepspeedTorchDistributor", kwargs)
-    assert_same(theirs, ours)
+    processes = kwargs["numGpus"] * kwargs.get("nnodes", 1)
+    remote_gpus = kwargs.get("useGpu", True) and kwargs.get("localMode") is False
+    if remote_gpus and _indivisible(settings, processes):
+        assert_refused_where_pyspark_3_hangs(theirs, ours)
+    else:
+        assert_same(theirs, ours)
 
 
 # -- SSL: refused at run() on a cluster unless the runtime conf opts out ----------------------

@@ -20,7 +20,7 @@ EXTRAS: dict[str, list[str]] = PYPROJECT["project"]["optional-dependencies"]
 FLOOR_PINS = dict(
     line.split("==")
     for line in (REPO / "tests" / "floor" / "constraints.txt").read_text().splitlines()
-    if line and not line.startswith("#")
+    if "==" in line and not line.startswith("#")
 )
 
 
