@@ -46,7 +46,10 @@ def _floor_env() -> dict[str, str]:
     on PATH (this suite's PYSPARK_PYTHON would put pyspark 4's worker under a 3.5 JVM)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYSPARK_PYTHON", "PYTHONPATH")}
     bin_dir = str(FLOOR_PYTHON.parent)
-    env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(FLOOR_PYTHON.parent.parent))
+    env.update(
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        VIRTUAL_ENV=str(FLOOR_PYTHON.parent.parent),
+    )
     return env
 
 
