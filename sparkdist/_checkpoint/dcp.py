@@ -113,8 +113,37 @@ def save(
     pending.thread = threading.Thread(
         target=finish, name=f"sparkdist-checkpoint-{step}", daemon=True
     )
+    _finish_saves_before_the_world_goes()
     pending.thread.start()
     return final
+
+
+def _finish_saves_before_the_world_goes() -> None:
+    """Make ``torch.distributed.destroy_process_group()`` finish the save in flight first.
+
+    The save's thread meets the other ranks on the checkpoint group to commit; a function that
+    ends as torch's examples do (``dist.barrier(); dist.destroy_process_group()``) would take
+    that group away under it ("Group ... is not registered"), losing the step. So destroying
+    the whole world waits for the save (and raises its failure, naming the step), as the next
+    checkpoint call and the end of the run do. Installed once per process, on the first
+    asynchronous save; destroying one sub-group leaves the checkpoint group alone.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    destroy = c10d.destroy_process_group
+    if getattr(destroy, "finishes_checkpoints", False):
+        return
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is c10d.GroupMember.WORLD:
+            wait_for_pending_saves()
+        destroy(group)
+
+    destroy_process_group.finishes_checkpoints = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 def wait_for_pending_saves() -> None:

@@ -311,6 +311,36 @@ def test_the_end_of_the_run_waits_for_an_async_save(tmp_path, monkeypatch):
     assert all(bool((t == 3.0).all()) for t in latest.state.values())
 
 
+def saves_then_ends_as_torch_examples_do(async_: bool):
+    """Three saves of a Linear(512, 512), then the ending of nearly every torch example."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    model = torch.nn.Linear(512, 512)
+    for step in range(1, 4):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        runtime.save_checkpoint({"model": model.state_dict()}, step, async_=async_)
+    dist.barrier()
+    dist.destroy_process_group()
+    return dist.is_initialized()
+
+
+@pytest.mark.parametrize("async_", [True, False], ids=["async", "sync"])
+def test_a_save_then_barrier_and_destroy_process_group_commits_the_last_step(
+    tmp_path, monkeypatch, async_
+):
+    # Before the fix, the async save's thread met on its group after the function destroyed
+    # every group: "Group ... is not registered" failed the run.
+    ckpt = tmp_path / "ckpt"
+    assert launch(2, ckpt, saves_then_ends_as_torch_examples_do, async_).values == [False, False]
+    assert marker(ckpt, 3)["step"] == 3
+    monkeypatch.setenv("SPARKDIST_CHECKPOINT_DIR", str(ckpt))
+    latest = runtime.load_checkpoint()
+    assert latest is not None and latest.step == 3
+    assert bool((latest.state["model"]["weight"] == 3.0).all())
+
+
 def failed_async_write():
     """Rank 1 may write files of at most 1 MiB (RLIMIT_FSIZE: the kernel refuses the rest with
     EFBIG, as a full disk would), so its shard of the first asynchronous save fails."""

@@ -73,6 +73,16 @@ CASES = [
     ({"checkpoint_dir": b"/tmp/x"}, ConfigTypeError, ["checkpoint_dir", "b'/tmp/x'"]),
     ({"checkpoint_dir": True}, ConfigTypeError, ["checkpoint_dir", "True"]),
     ({"checkpoint_dir": ""}, ConfigTypeError, ["checkpoint_dir must be a non-empty"]),
+    # object-store URLs: refused, never made into a local folder named "s3:" (issue 33)
+    (
+        {"checkpoint_dir": "s3://ckpt-bucket/run1"},
+        ConfigError,
+        ["checkpoint_dir='s3://ckpt-bucket/run1'", "s3:// URL", "not supported", "every host"],
+    ),
+    ({"checkpoint_dir": "gs://b/run"}, ConfigError, ["gs:// URL", "never turns a URL"]),
+    ({"checkpoint_dir": "abfss://c@acct.dfs.core.windows.net/r"}, ConfigError, ["abfss://"]),
+    ({"checkpoint_dir": "S3://B/k"}, ConfigError, ["s3:// URL"]),
+    ({"checkpoint_dir": "file://otherhost/x"}, ConfigError, ["names the host 'otherhost'"]),
     (
         {"mode": "deepspeed", "deepspeed_config": 42},
         ConfigTypeError,
@@ -165,6 +175,23 @@ def test_the_sane_bound_is_lifted_only_when_asked_or_where_it_does_not_apply():
     # GPU ranks are bounded by the driver's GPUs instead, when placed (before any start).
     assert build_config(num_processes=TOO_MANY, use_gpu=True).num_processes == TOO_MANY
     assert build_config(num_processes=TOO_MANY - 1).num_processes == TOO_MANY - 1
+
+
+def test_file_urls_and_dbfs_become_the_paths_they_name(monkeypatch, tmp_path):
+    from sparkdist._core.launch import checks
+
+    assert build_config(checkpoint_dir="file:///shared/ck%20pt").checkpoint_dir == "/shared/ck pt"
+    assert build_config(checkpoint_dir="file://localhost/x").checkpoint_dir == "/x"
+    assert build_config(checkpoint_dir="C:/not-a-scheme").checkpoint_dir == os.path.abspath(
+        "C:/not-a-scheme"
+    )
+    monkeypatch.setattr(checks, "DBFS_MOUNT", str(tmp_path / "no-dbfs-here"))
+    with pytest.raises(ConfigError, match="Databricks DBFS URL.*/Volumes"):
+        build_config(checkpoint_dir="dbfs:/ckpt/run1")
+    monkeypatch.setattr(checks, "DBFS_MOUNT", str(tmp_path))
+    assert build_config(checkpoint_dir="dbfs:/ckpt/run1").checkpoint_dir == str(
+        tmp_path / "ckpt" / "run1"
+    )
 
 
 def test_good_values_are_normalised(tmp_path):

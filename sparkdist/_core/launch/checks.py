@@ -13,6 +13,8 @@ import inspect
 import json
 import math
 import os
+import re
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -110,6 +112,54 @@ def check_path(name: str, value: Any, accepted: str = "a path") -> str:
     if isinstance(path, bytes) or not path:
         raise ConfigTypeError(f"{name} must be a non-empty text path, got {value!r}")
     return path
+
+
+#: A URL's scheme (two characters at least: "C:/x" is a Windows drive, not a scheme) and the
+#: slash after its colon ("s3://b/k", "gs://", "abfss://", "file:///x", Databricks' "dbfs:/x").
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+#: Where Databricks mounts DBFS on its driver and workers (``dbfs:/x`` is ``/dbfs/x`` there).
+DBFS_MOUNT = "/dbfs"
+
+
+def checkpoint_directory(value: Any) -> str:
+    """``checkpoint_dir`` as the absolute directory the ranks use.
+
+    A path (or a ``file://`` URL) becomes absolute; ``dbfs:/x`` is Databricks' ``/dbfs/x``
+    where that mount exists. Any other URL is refused: sparkdist never turns one into a local
+    folder (``os.path.abspath("s3://b/run")`` is a folder named "s3:" under the working
+    directory, on a disk that goes away with the cluster).
+
+    Raises:
+        ConfigTypeError: not a text path.
+        ConfigError: an object-store URL, or ``dbfs:/`` where DBFS is not mounted.
+    """
+    path = check_path("checkpoint_dir", value, "a directory path")
+    match = _URL.match(path)
+    if match is None:
+        return os.path.abspath(path)
+    scheme = match.group("scheme").lower()
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(path)
+        if parsed.netloc not in ("", "localhost"):
+            raise ConfigError(
+                f"checkpoint_dir={path!r} names the host {parsed.netloc!r}; a file:// URL must "
+                "name a path on every host (file:///shared/ckpt)"
+            )
+        return os.path.abspath(urllib.parse.unquote(parsed.path))
+    if scheme == "dbfs":
+        mounted = os.path.join(DBFS_MOUNT, path[len("dbfs:") :].lstrip("/"))
+        if os.path.isdir(DBFS_MOUNT):
+            return mounted
+        raise ConfigError(
+            f"checkpoint_dir={path!r} is a Databricks DBFS URL, but {DBFS_MOUNT} (Databricks' "
+            "mount of DBFS) is not here; on Databricks pass a /Volumes/... path, elsewhere a "
+            "directory every host mounts"
+        )
+    raise ConfigError(
+        f"checkpoint_dir={path!r} is a {scheme}:// URL, and object storage is not supported "
+        "yet: pass a directory every host mounts (a shared or network filesystem; on "
+        "Databricks a /Volumes/... path). sparkdist never turns a URL into a local folder"
+    )
 
 
 def requirement_list(value: Any) -> tuple[Any, ...]:

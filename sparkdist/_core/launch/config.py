@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +29,9 @@ from sparkdist._core.launch.checks import (
     check_bool,
     check_job_sizes,
     check_local_cpu_ranks,
-    check_path,
     check_positive_int,
     check_positive_seconds,
+    checkpoint_directory,
     load_deepspeed_config,
     requirement_list,
     shown,
@@ -104,7 +103,9 @@ class LaunchConfig:
             only with mode "deepspeed".
         max_restarts: how many times a failed run is restarted, whole world at once.
         checkpoint_dir: an absolute directory path every rank can reach (shared storage on a
-            cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``.
+            cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``; a
+            ``file://`` URL or Databricks' ``dbfs:/`` (its ``/dbfs`` mount) is taken, any other
+            URL refused (``checks.checkpoint_directory``).
         heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
             joined) is declared hung: its stack is dumped into its output and the run stops.
             It is also the silence limit of each node's link to the driver (10 s when unset):
@@ -188,12 +189,7 @@ class LaunchConfig:
             check_positive_seconds("heartbeat_timeout_s", self.heartbeat_timeout_s)
         check_positive_seconds("preemption_grace_s", self.preemption_grace_s)
         if self.checkpoint_dir is not None:
-            self._set(
-                "checkpoint_dir",
-                os.path.abspath(
-                    check_path("checkpoint_dir", self.checkpoint_dir, "a directory path")
-                ),
-            )
+            self._set("checkpoint_dir", checkpoint_directory(self.checkpoint_dir))
         if self.deepspeed_config is not None:
             if not isinstance(self.deepspeed_config, Mapping):
                 raise ConfigTypeError(
