@@ -45,6 +45,7 @@ from sparkdist._node.agent.partition import partition_path, write_partition
 from sparkdist._node.agent.preflight import refusal_of
 from sparkdist._node.agent.ranks import (
     RankHandle,
+    close_command_pipe,
     end_ranks,
     node_extra_env,
     spawn_rank,
@@ -234,8 +235,7 @@ class Agent:
             workers = list(self.workers.values())
         self.start_stop.set(reason)
         self.events.put(("abort", reason))  # wakes the watching thread
-        # Even when the agent is already aborting (on its own thread): return only once
-        # every rank is gone.
+        # Even when the agent is already aborting (on its own thread): return once all are gone.
         end_ranks(workers, self.spec)
 
     # -- starting -------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class Agent:
             if kind == "exit":
                 worker, code = payload
                 running.discard(worker.seat.rank)
-                worker.ctrl_in.close()
+                close_command_pipe(worker.ctrl_in)
                 if code != 0 and not self.aborting:
                     outbox.control(protocol.Failed(worker.seat.rank, code, time.time()))
                     self._abort(f"rank {worker.seat.rank} failed")

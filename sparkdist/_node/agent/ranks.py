@@ -117,6 +117,21 @@ class RankHandle:
         return self.killed and code in (-signal.SIGTERM, -signal.SIGKILL)
 
 
+def close_command_pipe(pipe: IO[bytes]) -> None:
+    """Close our end of an exited rank's command pipe.
+
+    A rank that died just as a command went to it (the rendezvous, to a rank that failed to
+    unpickle its job) leaves that command in the buffer (``tell`` ignored the broken pipe), and
+    ``close`` flushes it again: a ``BrokenPipeError`` that is no failure of the agent's (the
+    descriptor is closed all the same). Raised, it ended the agent before its goodbye, and the
+    driver took the node for lost instead of reporting the rank's own error.
+    """
+    try:
+        pipe.close()
+    except OSError:
+        pass
+
+
 def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
     """What every rank of the node adds to its environment; writes the DeepSpeed config and the
     DataFrame's schema (if any) into ``run_dir`` for them."""
