@@ -77,11 +77,11 @@ SUPPORTED: tuple[Supported, ...] = (
 BY_NAME = {entry.name: entry for entry in SUPPORTED}
 
 
-def outside_range(versions: Mapping[str, str | None]) -> list[tuple[str, str, Supported]]:
-    """The (name, version, range) of every installed package of ``versions`` (name -> version,
-    None where it is missing) that lies outside its tested range, in the table's order."""
+def outside_range(versions: Mapping[str, str | None]) -> list[tuple[Supported, str]]:
+    """The (range, version) of every installed package of ``versions`` (name -> version, None
+    where it is missing) that lies outside its tested range, in the table's order."""
     return [
-        (entry.name, version, entry)
+        (entry, version)
         for entry in SUPPORTED
         if (version := versions.get(entry.name)) is not None and not entry.holds(version)
     ]

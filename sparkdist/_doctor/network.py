@@ -223,11 +223,11 @@ def judge_observation(seen: NodeObservation) -> list[Finding]:
                 f"that address: map {name} to {seen.address} in /etc/hosts or DNS",
             )
         )
-    for name, version, entry in outside_range(seen.versions):
+    for entry, version in outside_range(seen.versions):
         found.append(
             Finding(
                 Status.NOTE,
-                f"its {name} is {describe(name, version)}",
+                f"its {entry.name} is {describe(entry.name, version)}",
                 entry.fix() + " on the executors (their image, cluster libraries or init script)",
             )
         )

@@ -83,4 +83,4 @@ def test_the_doctor_judges_both_ends_of_each_range(name, version, inside):
 
 def test_outside_range_names_only_installed_packages_outside():
     versions = {"pyspark": "3.4.1", "mlflow": None, "torch": "2.13.0", "deepspeed": "0.14.0"}
-    assert [name for name, _, _ in outside_range(versions)] == ["pyspark", "deepspeed"]
+    assert [entry.name for entry, _ in outside_range(versions)] == ["pyspark", "deepspeed"]
