@@ -108,6 +108,11 @@ def train(epochs: int, samples: int, batch_size: int, lr: float, hidden: int) ->
         epoch_loss = (totals[0] / totals[1]).item()
         if rank == 0:
             print(f"epoch {epoch}: loss {epoch_loss:.4f}")
+    # DDP before its process group: when the DDP module is the last holder of the gloo group
+    # (destroy_process_group() dropped the world's hold), freeing it at the function's return
+    # joins gloo's worker threads while holding the GIL, and a worker thread still freeing its
+    # last collective's tensors waits for the GIL: a deadlock seen under load (torch 2.13, CPU).
+    del model, optimizer
     dist.destroy_process_group()
     return {
         "rank": rank,
