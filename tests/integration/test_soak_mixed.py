@@ -82,7 +82,12 @@ def test_two_hundred_mixed_runs_return_to_baseline():
     for kind in ("ok", "pair", "fails"):  # warm-up: the zygote and its spares exist
         _one(kind, distributor, quick_timeout)
     baseline = snapshot()
-    assert len(baseline.zygotes) == 1 and not baseline.ranks
+    pool = {  # what the pool knows of each zygote, should one be left over from earlier tests
+        z.process.pid: {"leases": z.leases, "retired": z.retired}
+        for z in [*_pool._zygotes.values(), *_pool._retired]
+        if z.process is not None
+    }
+    assert len(baseline.zygotes) == 1 and not baseline.ranks, (baseline, pool)
 
     seconds: dict[str, list[float]] = collections.defaultdict(list)
     for _ in range(CYCLES):

@@ -210,3 +210,29 @@ def test_a_temp_dir_too_long_for_a_socket_path_keeps_the_pool_warm(tmp_path, mon
     assert view["name"] == "sparkdist-r0" and view["ppid"] != os.getpid()  # forked: warm
     [pool_dir] = glob.glob(str(long_tmp / "sparkdist_pool-*"))
     assert len(os.path.join(pool_dir, "zygote.sock")) > 108
+
+
+def sleep_in_rank():
+    time.sleep(120)
+
+
+def test_shutdown_ends_a_retired_zygote_that_still_serves_a_rank():
+    """A zygote retired under a run in flight stays until its last rank ends; shutting the pool
+    down (as this process's exit does) ends it too, and its rank with it."""
+    run = Distributor(1, use_gpu=False).run_async(sleep_in_rank)
+    try:
+        deadline = time.monotonic() + 60
+        while not _pool._zygotes and time.monotonic() < deadline:
+            time.sleep(0.05)
+        (zygote,) = list(_pool._zygotes.values())
+        while zygote.leases == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert zygote.leases == 1 and zygote.process is not None
+        _pool._retire(zygote, "retired by the test")
+        assert zygote.process.poll() is None  # its rank still runs: it stays
+        _pool.shutdown()
+        assert zygote.process.poll() is not None
+        with pytest.raises(Exception):  # noqa: B017, PT011 - the rank went with its zygote
+            run.result(timeout=60)
+    finally:
+        run.cancel()

@@ -93,6 +93,9 @@ def zygote_key(env: Mapping[str, str], shipped_code: str | None = None) -> Zygot
 # -- the pool: zygotes by key, leased per rank ------------------------------------------------
 
 _zygotes: dict[ZygoteKey, Zygote] = {}
+#: Zygotes out of the pool that still serve a rank: closed at their last lease's end, or by
+#: ``shutdown`` (so no zygote of this process outlives it, whatever its ranks do).
+_retired: set[Zygote] = set()
 _starting: dict[ZygoteKey, threading.Event] = {}
 _lock = threading.Lock()
 _swept = False
@@ -176,6 +179,8 @@ def _forget(zygote: Zygote) -> None:
     zygote.retired = True
     if zygote.leases == 0:
         zygote.close()
+    else:
+        _retired.add(zygote)
 
 
 def _retire(zygote: Zygote, why: str) -> None:
@@ -191,6 +196,7 @@ def _release(zygote: Zygote) -> None:
     with _lock:
         zygote.leases -= 1
         if zygote.retired and zygote.leases == 0:
+            _retired.discard(zygote)
             zygote.close()
 
 
@@ -201,10 +207,12 @@ def zygote_count() -> int:
 
 
 def shutdown() -> None:
-    """Stop this process's warm pool (it also ends on its own when this process exits)."""
+    """Stop this process's warm pool, retired zygotes that still serve a rank included (and
+    their ranks with them); it also ends on its own when this process exits."""
     with _lock:
-        zygotes = list(_zygotes.values())
+        zygotes = [*_zygotes.values(), *_retired]
         _zygotes.clear()
+        _retired.clear()
     for zygote in zygotes:
         zygote.retired = True
         zygote.close()
