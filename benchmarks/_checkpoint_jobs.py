@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import io
 import os
-import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -89,11 +90,27 @@ def _rank0_memory(record: dict[str, Any]) -> Any:
     record["start_rss_mb"] = rss.start_rss_mb
 
 
+def _storage(path: str) -> Any:
+    """sparkdist's storage of ``path``: a directory, or the object store of a URL."""
+    from sparkdist._checkpoint.storage import storage_for
+
+    return storage_for(path)
+
+
+def _on_store(path: str) -> bool:
+    from sparkdist._checkpoint.storage import ObjectStorage
+
+    return isinstance(_storage(path), ObjectStorage)
+
+
 class _MarkerWatch:
-    """Seconds from ``started`` until ``path`` exists (polled every 2 ms on a thread)."""
+    """Seconds from ``started`` until ``path`` exists (polled on a thread: every 2 ms on a
+    disk, every 20 ms on a store, where each look is a request)."""
 
     def __init__(self, path: str, started: float) -> None:
         self._path, self._started = path, started
+        self._storage = _storage(path)
+        self._every_s = 0.02 if _on_store(path) else 0.002
         self.seconds: float | None = None
         self._thread = threading.Thread(target=self._poll, name="marker-watch", daemon=True)
         self._thread.start()
@@ -101,10 +118,10 @@ class _MarkerWatch:
     def _poll(self) -> None:
         deadline = self._started + 900
         while time.perf_counter() < deadline:
-            if os.path.exists(self._path):
+            if self._storage.kind(self._path) == "file":
                 self.seconds = time.perf_counter() - self._started
                 return
-            time.sleep(0.002)
+            time.sleep(self._every_s)
 
     def wait(self) -> float | None:
         self._thread.join()
@@ -192,7 +209,7 @@ def _save(method: str, step: int, model: Any, optimizer: Any) -> dict[str, Any]:
     from sparkdist._core.files import replace_atomically
 
     directory, baseline = _directories()
-    marker = os.path.join(directory, f"step-{step:09d}", "COMMITTED")
+    marker = _storage(directory).join(directory, f"step-{step:09d}", "COMMITTED")
     record: dict[str, Any] = {"method": method}
     dist.barrier()
     with _rank0_memory(record):
@@ -209,8 +226,15 @@ def _save(method: str, step: int, model: Any, optimizer: Any) -> dict[str, Any]:
                     "step": step,
                     "state": {"model": model_state, "optimizer": optimizer_state},
                 }
-                path = os.path.join(baseline, BASELINE_FILE)
-                replace_atomically(path, lambda f: torch.save(saved, f))
+                storage = _storage(baseline)
+                path = storage.join(baseline, BASELINE_FILE)
+                if _on_store(baseline):  # torch.save to a local file, then its upload
+                    with tempfile.NamedTemporaryFile(suffix=".pt") as local:
+                        torch.save(saved, local)
+                        local.flush()
+                        storage.fs.put_file(local.name, path)
+                else:
+                    replace_atomically(path, lambda f: torch.save(saved, f))
                 del saved
             del model_state, optimizer_state
             dist.barrier()
@@ -244,7 +268,8 @@ def _overlap(step: int, steps: int, model: Any, optimizer: Any, batch: Any) -> d
     started = time.perf_counter()
     watch = None
     if dist.get_rank() == 0:
-        watch = _MarkerWatch(os.path.join(directory, f"step-{step:09d}", "COMMITTED"), started)
+        marker = _storage(directory).join(directory, f"step-{step:09d}", "COMMITTED")
+        watch = _MarkerWatch(marker, started)
     runtime.save_checkpoint(_sharded(model, optimizer), step, async_=True)
     blocked_s = time.perf_counter() - started
     during = []  # (began, seconds): began from the call
@@ -265,6 +290,13 @@ def _overlap(step: int, steps: int, model: Any, optimizer: Any, batch: Any) -> d
 
 def _files(directory: str) -> list[str]:
     return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]
+
+
+def _size_mb(directory: str) -> float:
+    storage = _storage(directory)
+    if _on_store(directory):
+        return float(sum(storage.fs.du(directory, total=False).values())) / MB
+    return sum(map(os.path.getsize, _files(directory))) / MB
 
 
 def _drop_from_page_cache(paths: list[str]) -> None:
@@ -313,8 +345,10 @@ def _load(
         else:
             full: dict[str, Any] = {"model": {}, "optimizer": {}}
             if rank == 0:
-                path = os.path.join(baseline, BASELINE_FILE)
-                full = torch.load(path, map_location="cpu", weights_only=True)["state"]
+                storage = _storage(baseline)
+                path = storage.join(baseline, BASELINE_FILE)
+                source = io.BytesIO(storage.read_bytes(path)) if _on_store(baseline) else path
+                full = torch.load(source, map_location="cpu", weights_only=True)["state"]
             # Two calls: set_state_dict takes the other ranks' empty model_state_dict for
             # "optimizer only" and skips the model's broadcast there: rank 0 would wait forever.
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -328,9 +362,10 @@ def _load(
 
 
 def save_and_load(
-    width: int, layers: int, batch_rows: int, runs: int, steps: int
+    width: int, layers: int, batch_rows: int, runs: int, steps: int, caches: tuple[str, ...]
 ) -> dict[str, Any]:
-    """One world size's job: the saves in turns, the save under training, then the loads."""
+    """One world size's job: the saves in turns, the save under training, then the loads
+    (from each of ``caches``: a store has no page cache of ours to drop)."""
     import torch
     import torch.distributed as dist
 
@@ -338,7 +373,7 @@ def save_and_load(
     rank = dist.get_rank()
     directory, baseline = _directories()
     if rank == 0:
-        os.makedirs(baseline, mode=0o700, exist_ok=True)
+        _storage(baseline).make_dirs(baseline)
     model, optimizer = _model_and_optimizer(width, layers)
     batch = torch.randn(batch_rows, width, generator=torch.Generator().manual_seed(1 + rank))
     _train_step(model, optimizer, batch)  # Adam's state exists from here on
@@ -359,7 +394,7 @@ def save_and_load(
         if rank == 0:
             _remove_steps_but(directory, step)
     for index in range(runs):
-        for cache in CACHES:
+        for cache in caches:
             for method in LOADS:
                 trials.append(
                     {"run": index, **_load(method, cache, model, optimizer, saved[method])}
@@ -369,20 +404,31 @@ def save_and_load(
         "trials": trials,
         "saved": saved["dcp"],
         "held_mb": sum(p.to_local().numel() for p in model.parameters()) * 4 / MB,
-        "checkpoint_mb": sum(map(os.path.getsize, _files(directory))) / MB,
-        "baseline_mb": sum(map(os.path.getsize, _files(baseline))) / MB,
+        "checkpoint_mb": _size_mb(directory),
+        "baseline_mb": _size_mb(baseline),
         "torch_threads": torch.get_num_threads(),
     }
 
 
 def _remove_steps_but(directory: str, step: int) -> None:
     keep = f"step-{step:09d}"
-    for name in os.listdir(directory):
+    storage = _storage(directory)
+    for name in storage.names(directory):
         if name.startswith("step-") and name != keep:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            with contextlib.suppress(OSError):
+                storage.remove_tree(storage.join(directory, name))
 
 
-def load_resharded(width: int, layers: int, runs: int, saved: list[float]) -> dict[str, Any]:
+def remove_all(directory: str) -> None:
+    """The job's checkpoints and the baseline's, wherever they are (untimed)."""
+    for path in (directory, directory + "-torchsave"):
+        with contextlib.suppress(OSError):
+            _storage(path).remove_tree(path)
+
+
+def load_resharded(
+    width: int, layers: int, runs: int, saved: list[float], caches: tuple[str, ...]
+) -> dict[str, Any]:
     """The job of another world size: load the DCP checkpoint there (resharded), checked."""
     import torch.distributed as dist
 
@@ -392,7 +438,7 @@ def load_resharded(width: int, layers: int, runs: int, saved: list[float]) -> di
     trials = [
         {"run": index, **_load("dcp", cache, model, optimizer, saved)}
         for index in range(runs)
-        for cache in CACHES
+        for cache in caches
     ]
     dist.barrier()
     return {"trials": trials}

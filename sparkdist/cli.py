@@ -32,7 +32,14 @@ from sparkdist._core.errors import (
     SparkdistError,
     WorkerFailedError,
 )
-from sparkdist._core.launch.config import OPTION_NAMES, LaunchConfig, Mode, build_config
+from sparkdist._core.launch.config import (
+    OPTION_NAMES,
+    OPTIONS,
+    CliKind,
+    LaunchConfig,
+    Mode,
+    build_config,
+)
 from sparkdist._frontdoors.cli_parser import build_parser, cli_flag, script_args
 
 if TYPE_CHECKING:
@@ -109,8 +116,10 @@ def run_request(args: argparse.Namespace) -> RunRequest:
         )
     # The flags generated from the table land under the options' own names, and only when given.
     options: dict[str, Any] = {name: getattr(args, name) for name in OPTION_NAMES if name in args}
-    if "env" in options:
-        options["env"] = dict(parse_assignment(item, "--env") for item in options["env"])
+    for option in OPTIONS:  # --env, --storage-option: KEY=VALUE items into one mapping
+        if option.cli and option.cli.kind is CliKind.ASSIGNMENTS and option.name in options:
+            flag = option.cli.flags[-1]
+            options[option.name] = dict(parse_assignment(i, flag) for i in options[option.name])
     if args.master is not None:
         options["local_mode"] = False
     if args.cpu:

@@ -75,6 +75,7 @@ def distributed(
     deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     max_restarts: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
+    storage_options: Mapping[str, Any] | None = None,
     heartbeat_timeout_s: float | None = None,
     preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S,
     mlflow: bool | None = None,
@@ -107,7 +108,8 @@ def distributed(
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank (not the ones sparkdist sets).
-        min_processes, deepspeed_config, max_restarts, checkpoint_dir, heartbeat_timeout_s, mlflow,
+        min_processes, deepspeed_config, max_restarts, checkpoint_dir, storage_options,
+            heartbeat_timeout_s, mlflow,
             preemption_grace_s, requirements, job_size_warn_mb, job_size_limit_mb,
             allow_oversubscribe, system_metrics_interval_s, straggler_fraction,
             straggler_window_s: as on ``Distributor``.

@@ -76,7 +76,12 @@ class Distributor:
             sees ``TORCHELASTIC_RESTART_COUNT`` / ``runtime.restart_count()``); the final
             error lists every attempt's root cause.
         checkpoint_dir: a directory every rank can reach (shared storage on a cluster) for
-            ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``, so restarts resume.
+            ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``, so restarts resume; or
+            an object-store URL (``s3://bucket/prefix``, ``gs://``, ``abfss://``...) read and
+            written through fsspec, each host with its own credentials.
+        storage_options: an object-store ``checkpoint_dir``'s settings that are not secret,
+            as its fsspec backend takes them (``{"endpoint_url": ..., "region_name": ...}``);
+            credentials are refused: each host uses its own (environment, instance profile).
         heartbeat_timeout_s: declare a rank hung when, after joining, it goes this long
             without ``runtime.report()`` or ``runtime.heartbeat()``: its Python stack is
             dumped into its output and the run stops with ``WorkerFailedError``.
@@ -149,6 +154,7 @@ class Distributor:
         deepspeed_config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
         max_restarts: int = 0,
         checkpoint_dir: str | os.PathLike[str] | None = None,
+        storage_options: Mapping[str, Any] | None = None,
         heartbeat_timeout_s: float | None = None,
         preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S,
         gpu_type: str | None = None,

@@ -26,6 +26,7 @@ from sparkdist._frontdoors.pytest_support import SESSION_MARKER_VAR, RankProcess
 
 # The JVM flags of the tests' short-lived JVMs are the lab's (start-up matters, not peak speed).
 from sparkdist._lab.spark import FAST_JVM_OPTIONS as FAST_JVM_OPTIONS
+from tests._helpers.s3_server import S3Server, start_s3_server, weed_binary
 from tests._helpers.spark import NO_CONNECT_SERVER_ON_3, pyspark_major
 
 # All traffic stays on loopback: Spark's driver address, and so every channel bound to it.
@@ -153,6 +154,35 @@ def no_leftovers() -> Iterator[None]:
             os.kill(proc.pid, signal.SIGKILL)
     assert not survivors, f"processes of a run survived the test: {survivors}"
     assert not set(run_dirs()) - dirs_before, "a run directory was left behind"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A SeaweedFS S3 server on 127.0.0.1 (tests/_helpers/s3_server.py), started on first use
+    and stopped (its process waited for) at the end of the session. Its process is not a run's:
+    the leak checks do not count it."""
+    try:
+        weed_binary()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    server = start_s3_server(tmp_path_factory.mktemp("s3-server"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(s3_server: S3Server) -> str:
+    """A prefix no other test uses: ``s3://<bucket>/<unique>``."""
+    return f"s3://{s3_server.bucket}/{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+def s3_env(monkeypatch: pytest.MonkeyPatch, s3_server: S3Server) -> S3Server:
+    """The server's keys in this process's environment for the test (AWS_ACCESS_KEY_ID, ...),
+    so s3fs here and in every process the test starts (ranks) finds them."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server
 
 
 # Runs track to MLflow by default; tests must not write mlflow.db into the repo: they opt in.

@@ -32,6 +32,7 @@ from sparkdist._checkpoint import ranks as checkpoint_ranks
 from sparkdist._checkpoint.layout import Candidate, Unreadable
 from sparkdist._checkpoint.pickles import Refused, load_torch_file, refusal
 from sparkdist._checkpoint.state import fill, layout_notes
+from sparkdist._checkpoint.storage import storage_for
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
 
 logger = logging.getLogger("sparkdist")
@@ -89,7 +90,7 @@ def save(
             found, state, step, directory, async_=async_, keep_last=keep_last
         )
     state = _checked_state(state)
-    final = os.path.join(directory, checkpoint_layout.step_name(step))
+    final = storage_for(directory).join(directory, checkpoint_layout.step_name(step))
     if not checkpoint_ranks.distributed() and not writer:
         return final  # ranks without a process group: the main process saves for them all
     notes = layout_notes(state) if checkpoint_ranks.is_coordinator() else {}
@@ -274,7 +275,7 @@ def _settled(read: Callable[[], T], candidate: Candidate, together: bool) -> T:
     except Refused as exc:
         problem = ("refused", exc.names)
     except FileNotFoundError as exc:
-        gone = not os.path.lexists(candidate.path)
+        gone = storage_for(candidate.path).kind(candidate.path) == "missing"
         problem = ("gone", "") if gone else ("unreadable", checkpoint_ranks.describe(exc))
     except Unreadable as exc:
         problem = ("unreadable", str(exc))

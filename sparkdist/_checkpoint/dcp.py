@@ -29,6 +29,7 @@ from sparkdist._checkpoint import ranks as checkpoint_ranks
 from sparkdist._checkpoint.layout import Unreadable
 from sparkdist._checkpoint.pickles import Refused, load_dcp_metadata, load_torch_file
 from sparkdist._checkpoint.state import move_tensors, restore_keys
+from sparkdist._checkpoint.storage import ObjectStorage, storage_for
 from sparkdist._core.files import PRIVATE_FILE_MODE, make_private_dirs
 
 # -- writing -----------------------------------------------------------------------------------
@@ -73,7 +74,7 @@ def save(
     _quiet_single_process_warnings()
     group = checkpoint_ranks.checkpoint_group()
     target, final = checkpoint_ranks.share_from_rank0(prepare)
-    writer = _private_writer(target)
+    writer = _writer(target)
     try:
         if not async_:
             saver.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -187,7 +188,15 @@ def _private_file_system() -> type[Any]:
     return PrivateFileSystem
 
 
-def _private_writer(path: str) -> Any:
+def _writer(path: str) -> Any:
+    """DCP's writer for ``path``: private files in a directory; fsspec's on an object store."""
+    storage = storage_for(path)
+    if isinstance(storage, ObjectStorage):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        # sync_files: a stream of fsspec's has no descriptor, and DCP would then sync every
+        # file system of the host (os.sync()); an object is durable once its upload returns.
+        return FsspecWriter(path, sync_files=False, **storage.options)
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     writer = FileSystemWriter(path, sync_files=True)  # fsync every file it writes
@@ -201,7 +210,9 @@ def _private_writer(path: str) -> Any:
 def read_metadata(path: str, *, weights_only: bool) -> Any:
     """The DCP directory's ``.metadata``, read on this rank alone (``Refused`` for objects that
     ``weights_only`` does not build)."""
-    return load_dcp_metadata(os.path.join(path, ".metadata"), weights_only=weights_only)
+    storage = storage_for(path)
+    data = storage.read_bytes(storage.join(path, ".metadata"))
+    return load_dcp_metadata(data, weights_only=weights_only)
 
 
 def read_into(
@@ -256,16 +267,24 @@ def _read_error(exc: BaseException) -> Exception:
 
 def _reader(path: str, metadata: Any) -> Any:
     """DCP's file reader, given the metadata already read (safely) instead of unpickling it."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class _Reader(FileSystemReader):
+    storage = storage_for(path)
+    base: type[FileSystemReader] = (
+        FsspecReader if isinstance(storage, ObjectStorage) else FileSystemReader
+    )
+
+    class _Reader(base):  # type: ignore[misc,valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
             return metadata
 
+    if isinstance(storage, ObjectStorage):
+        return _Reader(path, **storage.options)
     return _Reader(path)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdist._checkpoint import dcp as checkpoint_io
+from sparkdist._checkpoint import deepspeed_store
 from sparkdist._checkpoint import layout as checkpoint_layout
 from sparkdist._checkpoint import ranks as checkpoint_ranks
 from sparkdist._checkpoint import universal as checkpoint_universal
@@ -129,13 +130,21 @@ def save(
     target, final = checkpoint_ranks.share_from_rank0(
         lambda: checkpoint_layout.prepare(directory, step)
     )
+    on_store = deepspeed_store.is_on_store(directory)
+    # On a store DeepSpeed writes into this host's mirror, uploaded below.
+    local = deepspeed_store.mirror_of(directory) if on_store else directory
+    if on_store:
+        deepspeed_store.on_each_host(lambda: deepspeed_store.empty(local))
+    tag = os.path.basename(target)
     try:
         engine.save_checkpoint(
-            directory,
-            tag=os.path.basename(target),
+            local,
+            tag=tag,
             client_state=client_state,
             save_latest=False,  # the marker says what loads, not DeepSpeed's "latest"
         )
+        if on_store:
+            deepspeed_store.on_each_host(lambda: deepspeed_store.upload(local, tag, target))
     except Exception as exc:
         raise RuntimeError(
             f"checkpoint step {step} could not be written to {target}: "
@@ -151,11 +160,12 @@ def save(
     }
 
     def commit() -> None:  # on rank 0, after DeepSpeed's barrier: every rank's files are there
-        checkpoint_layout.seal(target)
-        for name in _SCRIPTS:
-            script = os.path.join(directory, name)
-            if os.path.isfile(script) and not os.path.islink(script):
-                os.chmod(script, 0o700)
+        if not on_store:  # a store's objects have no modes, and were uploaded whole
+            checkpoint_layout.seal(target)
+            for name in _SCRIPTS:
+                script = os.path.join(directory, name)
+                if os.path.isfile(script) and not os.path.islink(script):
+                    os.chmod(script, 0o700)
         checkpoint_layout.commit(directory, target, final, marker)
         if keep_last is not None:
             checkpoint_layout.retain(directory, keep_last, step)
@@ -195,8 +205,13 @@ def load(
     config = getattr(engine, "_config", None)
     setting = checkpoint_universal.SETTING
     settings = (bool(getattr(config, setting, False)), hasattr(config, setting))
+    on_store = deepspeed_store.is_on_store(directory)
+    # On a store DeepSpeed reads this host's mirror, filled below (rank 0's while it chooses).
+    local = deepspeed_store.mirror_of(directory) if on_store else directory
+    if on_store:
+        deepspeed_store.on_each_host(lambda: deepspeed_store.empty(local))
     kind, value = checkpoint_ranks.share_from_rank0(
-        lambda: _decided(directory, current, wanted, weights_only, settings)
+        lambda: _decided(directory, local, current, wanted, weights_only, settings)
     )
     if kind == "unpickling":
         raise pickle.UnpicklingError(value)
@@ -205,11 +220,14 @@ def load(
     if value is None:
         return None
     chosen: _Chosen = value
+    if on_store:
+        remote, mirrored = f"{directory}/{chosen.tag}", os.path.join(local, chosen.tag)
+        deepspeed_store.on_each_host(lambda: deepspeed_store.download_tree(remote, mirrored))
     with checkpoint_universal.loading(
         engine, universal=chosen.universal, weights_only=weights_only
     ):
         try:
-            loaded, client_state = engine.load_checkpoint(directory, tag=chosen.tag)
+            loaded, client_state = engine.load_checkpoint(local, tag=chosen.tag)
         except pickle.UnpicklingError:
             raise
         except Exception as exc:
@@ -219,6 +237,8 @@ def load(
             ) from exc
     if loaded is None:
         raise RuntimeError(f"DeepSpeed found no model states in {chosen.path}")
+    if on_store:
+        deepspeed_store.on_each_host(lambda: deepspeed_store.remove(local))
     for key in wanted:
         into[key] = client_state[key]
     return chosen.step, chosen.path
@@ -237,13 +257,15 @@ def _decided(*args: Any) -> tuple[str, Any]:
 
 def _choose(
     directory: str,
+    local: str,
     current: Topology,
     wanted: tuple[str, ...],
     weights_only: bool,
     settings: tuple[bool, bool],
 ) -> _Chosen | None:
-    """The newest committed checkpoint, made ready to load. ``settings``: whether the config
-    asks for universal checkpoints, and whether sparkdist finds where to ask for them."""
+    """The newest committed checkpoint, made ready to load from ``local`` (``directory``
+    itself, or this host's mirror of a store). ``settings``: whether the config asks for
+    universal checkpoints, and whether sparkdist finds where to ask for them."""
     universal_asked, switchable = settings
     unreadable: list[str] = []
     for candidate in checkpoint_layout.candidates(directory):
@@ -272,11 +294,15 @@ def _choose(
                 f"{', '.join(map(repr, missing))} (it holds {held}): load into a dict of the "
                 "engine and the keys it was saved with"
             )
-        partitioned = any(n.endswith("_optim_states.pt") for n in os.listdir(candidate.path))
+        tag = checkpoint_layout.step_name(candidate.step)
+        source = candidate
+        if local != directory:  # on a store: the checks and DeepSpeed read this host's copy
+            source = dataclasses.replace(candidate, path=os.path.join(local, tag))
+            deepspeed_store.download_tree(candidate.path, source.path)
+        partitioned = any(n.endswith("_optim_states.pt") for n in os.listdir(source.path))
         universal = plan(
             saved, current, candidate.path, universal_asked=universal_asked, partitioned=partitioned
         )
-        tag = checkpoint_layout.step_name(candidate.step)
         if universal:
             if not switchable:
                 raise Refusal(
@@ -286,10 +312,10 @@ def _choose(
                     f"where sparkdist does not find it; run at {saved.world_size} ranks"
                 )
             if weights_only:
-                check_tree(candidate.path)  # DeepSpeed's conversion reads them in full
-            tag = _converted(directory, candidate, marker, saved, current)
+                check_tree(source.path)  # DeepSpeed's conversion reads them in full
+            tag = _converted(directory, local, source, marker, saved, current)
         if weights_only:
-            check_tree(os.path.join(directory, tag))
+            check_tree(os.path.join(local, tag))
         return _Chosen(candidate.step, candidate.path, tag, universal)
     if unreadable:
         raise Refusal(
@@ -301,14 +327,24 @@ def _choose(
 
 def _converted(
     directory: str,
+    local: str,
     candidate: checkpoint_layout.Candidate,
     marker: dict[str, Any],
     saved: Topology,
     current: Topology,
 ) -> str:
-    """The tag of the candidate's universal conversion (made now if need be), or ``Refusal``."""
+    """The tag of the candidate's universal conversion (made now if need be), or ``Refusal``.
+    On a store (``local`` its mirror) a conversion kept there is taken, a new one kept there."""
+    name = checkpoint_layout.universal_name(candidate.step)
     try:
-        return checkpoint_universal.convert(directory, candidate, marker, current.world_size)
+        kept = True
+        if local != directory:
+            deepspeed_store.download_tree(f"{directory}/{name}", os.path.join(local, name))
+            kept = checkpoint_universal.is_converted(os.path.join(local, name), marker)
+        tag = checkpoint_universal.convert(local, candidate, marker, current.world_size)
+        if not kept:  # made now, from the store's checkpoint: kept on the store beside it
+            deepspeed_store.upload_tree(os.path.join(local, tag), f"{directory}/{tag}")
+        return tag
     except Exception as exc:
         raise Refusal(
             f"checkpoint {candidate.path} was saved by {saved.world_size} ranks and this run "

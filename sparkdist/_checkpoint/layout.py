@@ -1,5 +1,8 @@
 """The checkpoint directory's layout: step directories, their commit marker, which ones count,
-making room for a step, and removing old ones; plain files, no torch.
+making room for a step, and removing old ones; plain files, no torch. The same layout and rules
+in a directory and on an object store (``checkpoint_dir="s3://..."``), through ``storage``:
+there "directories" are key prefixes, modes do not apply, and nothing is renamed (the marker,
+one PUT, is the commit).
 
 Layout::
 
@@ -26,23 +29,16 @@ Non-goals: what the shards hold and how they are written (``checkpoint_io``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import re
-import shutil
 import stat
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
-from sparkdist._core.files import (
-    PRIVATE_DIR_MODE,
-    PRIVATE_FILE_MODE,
-    fsync_directory,
-    make_private_dirs,
-    replace_atomically,
-)
+from sparkdist._checkpoint.storage import LocalStorage, Storage, storage_for
+from sparkdist._core.files import PRIVATE_DIR_MODE, PRIVATE_FILE_MODE, fsync_directory
 
 logger = logging.getLogger("sparkdist")
 
@@ -94,55 +90,58 @@ def universal_name(step: int) -> str:
 def prepare(directory: str, step: int) -> tuple[str, str]:
     """Before the ranks write: the directory to write to, and the checkpoint's final one.
 
-    A committed checkpoint of this step stays until the new one is committed beside it (in
-    ``.step-<N>.replacing``); an uncommitted one (a crash's) is cleared first.
+    In a directory, a committed checkpoint of this step stays until the new one is committed
+    beside it (in ``.step-<N>.replacing``); an uncommitted one (a crash's) is cleared first. An
+    object store renames nothing, so there the step is rewritten in place: its marker goes
+    first, so a reader never takes the step while it is half rewritten (the older steps stay).
     """
-    make_private_dirs(directory)
+    storage = storage_for(directory)
+    storage.make_dirs(directory)
     name = step_name(step)
-    final = os.path.join(directory, name)
-    replacing = os.path.join(directory, f".{name}.replacing")
-    _clear(replacing)  # an earlier replacement's leftover
-    if not os.path.lexists(final):
-        target = final
-    elif os.path.islink(final) or not os.path.isdir(final):
+    final = storage.join(directory, name)
+    kind = storage.kind(final)
+    if kind not in ("missing", "dir"):
         raise RuntimeError(
             f"{final} is in the way of checkpoint step {step}: it is not a directory sparkdist "
             "wrote; move it away, then save again"
         )
-    elif os.path.isfile(os.path.join(final, MARKER)):
+    if not isinstance(storage, LocalStorage):
+        _clear(storage, final)
+        return final, final
+    replacing = storage.join(directory, f".{name}.replacing")
+    _clear(storage, replacing)  # an earlier replacement's leftover
+    if kind == "missing":
+        target = final
+    elif storage.kind(storage.join(final, MARKER)) == "file":
         target = replacing
     else:
-        _clear(final)
+        _clear(storage, final)
         target = final
-    os.mkdir(target, PRIVATE_DIR_MODE)
-    os.chmod(target, PRIVATE_DIR_MODE)  # mkdir's mode passes through the umask
+    storage.make_dir(target)
     return target, final
 
 
 def commit(directory: str, written_to: str, final: str, marker: dict[str, Any]) -> None:
-    """Once every rank's shards are on disk: the marker, last and atomically (fsync, rename,
-    fsync of the directory); a checkpoint it replaces swapped out, then removed, and with it
-    any universal conversion of that step.
+    """Once every rank's shards are written: the marker, last and atomically (in a directory:
+    fsync, rename, fsync of the directory; on a store: one PUT); a checkpoint it replaces
+    swapped out, then removed, and with it any universal conversion of that step.
 
     Between the two renames of a replacement no directory of that step exists (the older
     checkpoints still do); the new one is complete and committed before the first.
     """
-    data = json.dumps(marker).encode()
-
-    def write(f: BinaryIO) -> None:
-        f.write(data)
-
-    replace_atomically(os.path.join(written_to, MARKER), write)
-    if written_to != final:
-        aside = os.path.join(directory, f".{os.path.basename(final)}.replaced")
-        _clear(aside)
-        os.rename(final, aside)
-        os.rename(written_to, final)
-        fsync_directory(directory)
-        _remove(aside)
-    fsync_directory(directory)  # the step directory's own entry
+    storage = storage_for(directory)
+    storage.write_whole(storage.join(written_to, MARKER), json.dumps(marker).encode())
+    if isinstance(storage, LocalStorage):
+        if written_to != final:
+            aside = storage.join(directory, f".{os.path.basename(final)}.replaced")
+            _clear(storage, aside)
+            storage.rename(final, aside)
+            storage.rename(written_to, final)
+            storage.sync_dir(directory)
+            _remove(storage, aside)
+        storage.sync_dir(directory)  # the step directory's own entry
     # A universal conversion of this step is of a checkpoint it replaced (or its leftover).
-    remove_tree(os.path.join(directory, universal_name(int(marker["step"]))))
+    remove_tree(storage.join(directory, universal_name(int(marker["step"]))))
 
 
 def seal(path: str) -> None:
@@ -171,8 +170,10 @@ def seal(path: str) -> None:
 def retain(directory: str, keep_last: int, written: int) -> None:
     """Keep the newest ``keep_last`` committed checkpoints and the one just ``written``; remove
     older committed ones, and uncommitted step directories older than the newest commit."""
+    storage = storage_for(directory)
     entries = [
-        (step, path, os.path.isfile(os.path.join(path, MARKER))) for step, path in _dirs(directory)
+        (step, path, storage.kind(storage.join(path, MARKER)) == "file")
+        for step, path in _dirs(storage, directory)
     ]
     committed = sorted((step for step, _, done in entries if done), reverse=True)
     keep = set(committed[:keep_last]) | {written}
@@ -180,31 +181,32 @@ def retain(directory: str, keep_last: int, written: int) -> None:
     for step, path, done in entries:
         if step in keep or (not done and (newest is None or step > newest)):
             continue
-        _remove(path)
-    for name in os.listdir(directory):  # universal conversions of the steps removed
+        _remove(storage, path)
+    for name in storage.names(directory):  # universal conversions of the steps removed
         match = _UNIVERSAL_DIR.match(name)
         if match and int(match.group(1)) not in keep:
-            remove_tree(os.path.join(directory, name))
+            remove_tree(storage.join(directory, name))
 
 
-def _dirs(directory: str) -> list[tuple[int, str]]:
+def _dirs(storage: Storage, directory: str) -> list[tuple[int, str]]:
     found = []
-    for name in os.listdir(directory):
+    for name in storage.names(directory):
         match = _STEP_DIR.match(name)
-        path = os.path.join(directory, name)
-        if match and os.path.isdir(path) and not os.path.islink(path):
+        path = storage.join(directory, name)
+        if match and storage.kind(path) == "dir":
             found.append((int(match.group(1)), path))
     return found
 
 
-def _clear(path: str) -> None:
+def _clear(storage: Storage, path: str) -> None:
     """Remove a step directory sparkdist wrote (the marker first, so a removal cut short leaves
     an uncommitted one); refuse one holding anything else."""
-    if not os.path.lexists(path):
+    kind = storage.kind(path)
+    if kind == "missing":
         return
-    if os.path.islink(path) or not os.path.isdir(path):
+    if kind != "dir":
         raise RuntimeError(f"{path} is not a directory sparkdist wrote; move it away")
-    names = os.listdir(path)
+    names = storage.names(path)
     others = sorted(n for n in names if not _OWN_FILE.match(n))
     if others:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
@@ -212,14 +214,13 @@ def _clear(path: str) -> None:
             f"{path} holds files sparkdist did not write ({shown}); move them away, then save again"
         )
     for name in sorted(names, key=lambda n: n != MARKER):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(path, name))
-    os.rmdir(path)
+        storage.remove_file(storage.join(path, name))
+    storage.remove_empty_dir(path)
 
 
-def _remove(path: str) -> None:
+def _remove(storage: Storage, path: str) -> None:
     try:
-        _clear(path)
+        _clear(storage, path)
     except (OSError, RuntimeError) as exc:
         logger.warning("sparkdist: checkpoint %s was not removed: %s", path, exc)
 
@@ -227,13 +228,15 @@ def _remove(path: str) -> None:
 def remove_tree(path: str) -> None:
     """Remove a directory tree sparkdist made under one of its own names (a universal
     conversion: DeepSpeed names its files after the model's parameters), if it is there."""
-    if not os.path.lexists(path):
+    storage = storage_for(path)
+    kind = storage.kind(path)
+    if kind == "missing":
         return
-    if os.path.islink(path) or not os.path.isdir(path):
+    if kind != "dir":
         logger.warning("sparkdist: %s is not a directory sparkdist made; left as it is", path)
         return
     try:
-        shutil.rmtree(path)
+        storage.remove_tree(path)
     except OSError as exc:
         logger.warning("sparkdist: %s was not removed: %s", path, exc)
 
@@ -241,40 +244,44 @@ def remove_tree(path: str) -> None:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def candidates(directory: str) -> list[Candidate]:
+def candidates(directory: str, options: str | None = None) -> list[Candidate]:
     """Committed step directories and old single files, newest step first (a directory before
-    a file of the same step); none when the directory is not there yet."""
+    a file of the same step); none when the directory is not there yet. ``options``: an object
+    store's settings as JSON (``storage.storage_for``)."""
+    storage = storage_for(directory, options)
     try:
-        names = os.listdir(directory)
+        names = storage.names(directory)
     except FileNotFoundError:
         return []
     found = []
     for name in names:
-        path = os.path.join(directory, name)
-        if (match := _STEP_DIR.match(name)) and os.path.isfile(os.path.join(path, MARKER)):
+        path = storage.join(directory, name)
+        if (match := _STEP_DIR.match(name)) and storage.kind(storage.join(path, MARKER)) == "file":
             found.append(Candidate(int(match.group(1)), path, legacy=False))
         elif match := _LEGACY_FILE.match(name):
             found.append(Candidate(int(match.group(1)), path, legacy=True))
     return sorted(found, key=lambda c: (c.step, not c.legacy), reverse=True)
 
 
-def newest_step(directory: str) -> int | None:
+def newest_step(directory: str, options: str | None = None) -> int | None:
     """The newest committed (or old single-file) checkpoint's step, None when there is none or
-    the directory cannot be read here (the driver asks, to tell a run's progress)."""
+    the directory cannot be read here (the driver asks, to tell a run's progress: it may have
+    no credentials of the store, whose backend raises errors of its own)."""
     try:
-        found = candidates(directory)
-    except OSError:
+        found = candidates(directory, options)
+    except Exception:  # noqa: BLE001 - not seen from here is all the driver needs to know
         return None
     return found[0].step if found else None
 
 
 def read_marker(candidate: Candidate) -> dict[str, Any]:
     """The step directory's commit marker, checked (``Unreadable`` says what is wrong)."""
-    with open(os.path.join(candidate.path, MARKER), "rb") as f:
-        try:
-            marker = json.loads(f.read())
-        except ValueError:
-            raise Unreadable("its commit marker is not JSON") from None
+    storage = storage_for(candidate.path)
+    data = storage.read_bytes(storage.join(candidate.path, MARKER))
+    try:
+        marker = json.loads(data)
+    except ValueError:
+        raise Unreadable("its commit marker is not JSON") from None
     if not isinstance(marker, dict) or marker.get("step") != candidate.step:
         raise Unreadable(f"its commit marker does not name step {candidate.step}")
     if marker.get("format") not in READABLE_FORMATS:

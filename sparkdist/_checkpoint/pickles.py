@@ -57,12 +57,10 @@ def load_torch_file(source: str | IO[bytes], map_location: Any, *, weights_only:
         raise
 
 
-def load_dcp_metadata(path: str, *, weights_only: bool) -> Any:
-    """A DCP directory's ``.metadata`` (``path``): with ``weights_only``, only DCP's metadata
+def load_dcp_metadata(data: bytes, *, weights_only: bool) -> Any:
+    """A DCP directory's ``.metadata`` (its bytes): with ``weights_only``, only DCP's metadata
     classes (and what ``add_safe_globals`` allows) are built; anything else raises ``Refused``
     before a single object is made."""
-    with open(path, "rb") as f:
-        data = f.read()
     if not weights_only:
         return pickle.loads(data)
     allowed = _metadata_globals()

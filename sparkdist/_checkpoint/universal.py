@@ -122,6 +122,14 @@ def plan(
 # -- converting --------------------------------------------------------------------------------
 
 
+def is_converted(path: str, marker: dict[str, Any]) -> bool:
+    """Whether ``path`` holds a finished conversion of the checkpoint ``marker`` commits."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        with open(os.path.join(path, SOURCE), encoding="utf-8") as f:
+            return f.read() == json.dumps(marker, sort_keys=True)
+    return False
+
+
 def convert(directory: str, candidate: Candidate, marker: dict[str, Any], world_size: int) -> str:
     """On global rank 0: the tag (directory name in ``directory``) of the candidate's universal
     conversion, made now unless one of this very checkpoint is there. Raises what DeepSpeed's
@@ -129,10 +137,8 @@ def convert(directory: str, candidate: Candidate, marker: dict[str, Any], world_
     name = checkpoint_layout.universal_name(candidate.step)
     path = os.path.join(directory, name)
     source = json.dumps(marker, sort_keys=True)
-    with contextlib.suppress(OSError, UnicodeDecodeError):
-        with open(os.path.join(path, SOURCE), encoding="utf-8") as f:
-            if f.read() == source:
-                return name
+    if is_converted(path, marker):
+        return name
     checkpoint_layout.remove_tree(path)  # a conversion of what was saved at this step before
     work = os.path.join(directory, f".{name}.tmp")
     checkpoint_layout.remove_tree(work)

@@ -39,6 +39,8 @@ PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
 CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
+#: ``storage_options=`` for an object-store ``checkpoint_dir``, as JSON (never credentials).
+STORAGE_OPTIONS_VAR = "SPARKDIST_STORAGE_OPTIONS"
 #: The world size the launcher was asked for (``num_processes``): an elastic restart may run
 #: fewer ranks (``WORLD_SIZE``), and the training loop keeps its global batch from the ratio.
 REQUESTED_WORLD_SIZE_VAR = "SPARKDIST_REQUESTED_WORLD_SIZE"
@@ -131,6 +133,7 @@ LAUNCHER_VARS = frozenset(
         RANKS_PER_HOST_VAR,
         DEEPSPEED_CONFIG_VAR,
         CHECKPOINT_DIR_VAR,
+        STORAGE_OPTIONS_VAR,
         REQUESTED_WORLD_SIZE_VAR,
         PARTITION_FILE_VAR,
         ROWS_PER_RANK_VAR,

@@ -32,6 +32,7 @@ from sparkdist._core.errors import Attempt, WorkerFailedError
 from sparkdist._core.files import make_private_dirs
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY, Placement
+from sparkdist._core.object_store import encode_options, scheme_of
 from sparkdist._core.run.attempts import (
     attempt_of,
     failed_attempts,
@@ -92,8 +93,8 @@ class Launch:
             "GPU" if placement.use_gpu else "CPU (gloo)",
             placement.num_tasks,
         )
-        if config.checkpoint_dir is not None:
-            make_private_dirs(config.checkpoint_dir)
+        if config.checkpoint_dir is not None and scheme_of(config.checkpoint_dir) is None:
+            make_private_dirs(config.checkpoint_dir)  # a store's prefix needs no making
         self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -237,7 +238,9 @@ class Launch:
     def _checkpoint_step(self) -> int | None:
         """The run's newest committed checkpoint step, where the driver can see it."""
         directory = self.config.checkpoint_dir
-        return None if directory is None else newest_step(directory)
+        if directory is None:
+            return None
+        return newest_step(directory, encode_options(self.config.storage_options))
 
     def _release_job_file(self) -> None:
         """A large job's file is needed until the last attempt ends (restarts reuse it)."""

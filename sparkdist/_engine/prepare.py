@@ -16,10 +16,15 @@ from typing import Any
 from sparkdist._backends.base import Backend
 from sparkdist._backends.choose import select_backend
 from sparkdist._backends.job_file import job_file_name
-from sparkdist._core.env import CHECKPOINT_DIR_VAR, REQUESTED_WORLD_SIZE_VAR
+from sparkdist._core.env import (
+    CHECKPOINT_DIR_VAR,
+    REQUESTED_WORLD_SIZE_VAR,
+    STORAGE_OPTIONS_VAR,
+)
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY
 from sparkdist._core.launch.plan import LaunchPlan, make_plan
+from sparkdist._core.object_store import encode_options
 from sparkdist._core.versions import expected_requirements
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._shipping.code import ModuleRecorder, pack_local_code
@@ -87,6 +92,8 @@ def prepare(
     }
     if config.checkpoint_dir is not None:
         extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
+    if config.storage_options:
+        extra_env[STORAGE_OPTIONS_VAR] = encode_options(config.storage_options)
     host = backend.driver_host
     template = AgentSpec(
         run_id=run_id,

@@ -18,6 +18,8 @@ import pytest
 
 from sparkdist._lab.lab import NameResolution
 from sparkdist._lab.spark import DriverKernel, LabCluster
+from tests._helpers.s3_server import LabS3Server, start_lab_s3_server
+from tests.conftest import REPO
 
 #: host1 and host3 as Debian writes /etc/hosts; host2's name on a NIC its peers cannot reach.
 MIXED_NAMES = [NameResolution.LOOPBACK, NameResolution.SIDE, NameResolution.LOOPBACK]
@@ -33,6 +35,39 @@ def lab_cluster(sparkdist_cluster: Any) -> LabCluster:
 @pytest.fixture(scope="session")
 def lab_driver(lab_cluster: LabCluster) -> DriverKernel:
     return lab_cluster.start_driver(SPARKDIST_MLFLOW="0")
+
+
+@pytest.fixture(scope="session")
+def lab_store(lab_cluster: LabCluster) -> Iterator[LabS3Server]:
+    """A real S3 server (SeaweedFS) on the driver's host, at its lab address: the object store
+    of a cluster that has no shared directory. Reached only from inside the lab."""
+    lab = lab_cluster.lab
+    server = start_lab_s3_server(lab, "driver", lab.directory / "logs" / "weed.log", REPO)
+    yield server
+    lab.signal(server.pid, 9)
+
+
+@pytest.fixture
+def keys_on_every_host(lab_driver: DriverKernel, lab_store: LabS3Server) -> Iterator[None]:
+    """The store's keys in the lab driver's environment and its executors' (the Python side of
+    ``spark.executorEnv``), for the test: each host's own, never the job's."""
+    names = sorted(lab_store.env())
+    lab_driver.check(
+        f"""
+import os
+for name, value in {lab_store.env()!r}.items():
+    os.environ[name] = value                        # the driver host's own keys
+    spark.sparkContext.environment[name] = value    # each executor's (spark.executorEnv.*)
+"""
+    )
+    yield
+    lab_driver.check(
+        f"""
+for name in {names!r}:
+    os.environ.pop(name, None)
+    spark.sparkContext.environment.pop(name, None)
+"""
+    )
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from sparkdist._lab.spark import DriverKernel, LabCluster
+from tests._helpers.s3_server import LabS3Server
+from tests.multihost.test_store_across_hosts import wait_for_commit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
 
@@ -76,26 +78,41 @@ def train(steps, pause, curve_dir):
 """
 
 
+@pytest.mark.parametrize("where", ["shared directory", "object store"])
 def test_an_fsdp_run_that_loses_a_host_finishes_on_the_hosts_left_from_a_resharded_checkpoint(
-    lab_cluster: LabCluster, lab_driver: DriverKernel, shared: Path
+    request: pytest.FixtureRequest,
+    lab_cluster: LabCluster,
+    lab_driver: DriverKernel,
+    shared: Path,
+    where: str,
 ) -> None:
     lab = lab_cluster.lab
     lab_driver.check(TRAIN)
+    if where == "object store":  # no directory every host sees holds the checkpoints
+        store: LabS3Server = request.getfixturevalue("lab_store")
+        request.getfixturevalue("keys_on_every_host")
+        root, options = (
+            f"s3://{store.bucket}/elastic-{time.monotonic_ns()}",
+            store.storage_options(),
+        )
+    else:
+        root, options = str(shared), None
     # The yardstick: the same training, uninterrupted, on 2 ranks.
     whole = lab_driver.check(
         f"""
 result = sparkdist.Distributor(2, local_mode=False, use_gpu=False, mode="fsdp",
-    checkpoint_dir={str(shared / "whole")!r}).run(train, {STEPS}, 0.0, None)["curve"]
+    checkpoint_dir={root + "/whole"!r}, storage_options={options!r}).run(
+    train, {STEPS}, 0.0, None)["curve"]
 """
     )
     expected = dict((step, loss) for step, loss in whole)
-    checkpoints, curve = shared / "elastic", shared / "curve"
+    checkpoints, curve = root + "/elastic", shared / "curve"  # the curve: the test's own notes
     curve.mkdir()
     lab_driver.check(
         f"""
 handle = sparkdist.Distributor(3, min_processes=2, local_mode=False, use_gpu=False,
-    mode="fsdp", max_restarts=1, checkpoint_dir={str(checkpoints)!r}).run_async(
-    train, {STEPS}, 0.3, {str(curve)!r})
+    mode="fsdp", max_restarts=1, checkpoint_dir={checkpoints!r}, storage_options={options!r}
+    ).run_async(train, {STEPS}, 0.3, {str(curve)!r})
 ended = {{}}
 def wait_for_it():
     try:
@@ -107,8 +124,10 @@ def wait_for_it():
 threading.Thread(target=wait_for_it, daemon=True).start()
 """
     )
+    if where == "object store":
+        wait_for_commit(lab_driver, store, f"{checkpoints}/step-{8:09d}", 120)
     deadline = time.monotonic() + 120
-    while not (checkpoints / f"step-{8:09d}" / "COMMITTED").exists():
+    while where != "object store" and not Path(checkpoints, f"step-{8:09d}", "COMMITTED").exists():
         assert time.monotonic() < deadline, "the 3-rank run never committed step 8"
         time.sleep(0.05)
     busy = {p["host"] for p in lab.rank_processes()}

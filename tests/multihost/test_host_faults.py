@@ -96,6 +96,26 @@ def _joined(cluster: LabCluster, shared: Path, timeout_s: float = 120.0) -> dict
     raise AssertionError("the ranks never met")
 
 
+def start_in_background(driver: DriverKernel, run_async: str) -> None:
+    """In the lab's driver: ``handle = <run_async>`` (a ``run_async(...)`` call), and a thread
+    that puts its end in ``ended`` (values and hosts, or the error; then "at") for ``_ended``."""
+    driver.check(
+        f"""
+import threading, time
+handle = {run_async}
+ended = {{}}
+def wait_for_it():
+    try:
+        r = handle.run_result(timeout=600)
+        ended.update(values=r.values, hosts=r.hosts)
+    except BaseException as error:
+        ended["error"] = f"{{type(error).__name__}}: {{error}}"
+    ended["at"] = time.time()
+threading.Thread(target=wait_for_it, daemon=True).start()
+"""
+    )
+
+
 def _ended(driver: DriverKernel, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -212,6 +232,7 @@ def train(steps, pause):
                                  "opt": opt.state_dict()}, step)
         time.sleep(pause)
     weights = [p.detach().flatten().tolist() for p in model.module.parameters()]
+    del model, opt  # DDP gone before its group: torch's gloo teardown can deadlock otherwise
     dist.destroy_process_group()
     return {"weights": weights, "resumed_at": start, "restarts": runtime.restart_count(),
             "host": socket.gethostname()}
@@ -221,7 +242,6 @@ def train(steps, pause):
 def test_a_restart_goes_on_with_the_hosts_left_from_the_last_checkpoint(
     lab_cluster: LabCluster, lab_driver: DriverKernel, shared: Path
 ) -> None:
-    lab = lab_cluster.lab
     steps = 30
     lab_driver.check(TRAIN)
     whole = lab_driver.check(
@@ -231,41 +251,38 @@ result = sparkdist.Distributor(2, local_mode=False, use_gpu=False,
 """
     )
     checkpoints = shared / "restarted"
-    lab_driver.check(
-        f"""
-import threading, time
-handle = sparkdist.Distributor(2, local_mode=False, use_gpu=False, max_restarts=1,
-    checkpoint_dir={str(checkpoints)!r}).run_async(train, {steps}, 0.3)
-ended = {{}}
-def wait_for_it():
-    try:
-        r = handle.run_result(timeout=600)
-        ended.update(values=r.values, hosts=r.hosts)
-    except BaseException as error:
-        ended["error"] = f"{{type(error).__name__}}: {{error}}"
-    ended["at"] = time.time()
-threading.Thread(target=wait_for_it, daemon=True).start()
-"""
+    start_in_background(
+        lab_driver,
+        f"""sparkdist.Distributor(2, local_mode=False, use_gpu=False, max_restarts=1,
+    checkpoint_dir={str(checkpoints)!r}).run_async(train, {steps}, 0.3)""",
     )
     deadline = time.monotonic() + 120
     while not (checkpoints / f"step-{10:09d}" / "COMMITTED").exists():
         assert time.monotonic() < deadline, "no checkpoint of step 10"
         time.sleep(0.05)
-    busy = {p["host"] for p in lab.rank_processes()}
-    victim = sorted(busy)[-1]
+    kill_a_busy_host_and_check_the_restart(lab_cluster, lab_driver, whole["weights"])
+
+
+def kill_a_busy_host_and_check_the_restart(
+    cluster: LabCluster, driver: DriverKernel, weights: list
+) -> None:
+    """Kill a host that runs a rank of the run in flight (``start_in_background``'s, past its
+    checkpoint of step 10); the run must restart once on the two hosts left, resume from its
+    last checkpoint, and end with ``weights`` (an uninterrupted run's), bit for bit."""
+    lab = cluster.lab
+    victim = sorted({p["host"] for p in lab.rank_processes()})[-1]
     try:
         lab.kill_host(victim)
-        ended = _ended(lab_driver, 240)
+        ended = _ended(driver, 240)
         assert "values" in ended, ended
         first = ended["values"][0]
         assert first["restarts"] == 1, first
         assert first["resumed_at"] >= 11, first  # from the last checkpoint, not from step 0
-        victim_address = lab.hosts[victim].address
-        assert victim_address not in ended["hosts"], ended["hosts"]
+        assert lab.hosts[victim].address not in ended["hosts"], ended["hosts"]
         assert len(set(ended["hosts"])) == 2  # on the two live hosts
-        assert first["weights"] == whole["weights"]  # bit for bit
+        assert first["weights"] == weights  # bit for bit
     finally:
-        lab_cluster.restart_host(victim)
+        cluster.restart_host(victim)
 
 
 def test_a_checkpoint_dir_one_node_does_not_share_is_refused_before_any_step(

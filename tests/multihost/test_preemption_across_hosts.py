@@ -62,7 +62,8 @@ def train(shared, steps, save_after_s):
     return ("done", start, attempt)
 
 handle = sparkdist.Distributor(2, local_mode=False, use_gpu=False, checkpoint_dir=__CKPT__,
-    timeout_s=300).run_async(train, __SHARED__, __STEPS__, __SAVE_AFTER_S__)
+    storage_options=__OPTIONS__, timeout_s=300).run_async(
+    train, __SHARED__, __STEPS__, __SAVE_AFTER_S__)
 ended = {}
 
 def wait_for_it():
@@ -111,10 +112,16 @@ def _with_executors(driver: DriverKernel, count: int = 3, timeout_s: float = 90.
 
 
 @pytest.mark.parametrize(
-    ("save_after_s", "kill_timeout"),
-    # save-5s shows Spark's own bound (the docs' advice); -m slow runs it.
-    [(0.0, None), pytest.param(5.0, None, marks=pytest.mark.slow), (5.0, "30s")],
-    ids=["save-at-once", "save-5s", "save-5s-killTimeout-30s"],
+    ("save_after_s", "kill_timeout", "on_store"),
+    # save-5s shows Spark's own bound (the docs' advice); -m slow runs it. on-the-store: the
+    # checkpoints on the lab's S3 server, no directory every host sees holding them.
+    [
+        (0.0, None, False),
+        pytest.param(5.0, None, False, marks=pytest.mark.slow),
+        (5.0, "30s", False),
+        (0.0, None, True),
+    ],
+    ids=["save-at-once", "save-5s", "save-5s-killTimeout-30s", "save-at-once-on-the-store"],
 )
 def test_sigterm_to_one_hosts_executor_jvm(
     request: pytest.FixtureRequest,
@@ -123,14 +130,22 @@ def test_sigterm_to_one_hosts_executor_jvm(
     shared: Path,
     save_after_s: float,
     kill_timeout: str | None,
+    on_store: bool,
 ) -> None:
     lab = lab_cluster.lab
     if kill_timeout is not None:
         lab_driver = request.getfixturevalue("patient_driver")
         _with_executors(lab_driver)
+    checkpoints, options = str(shared / "ckpt"), None
+    if on_store:
+        store = request.getfixturevalue("lab_store")
+        request.getfixturevalue("keys_on_every_host")
+        checkpoints = f"s3://{store.bucket}/preempted-{time.monotonic_ns()}"
+        options = store.storage_options()
     code = RUN.replace("__SHARED__", repr(str(shared))).replace("__STEPS__", "2000")
     code = code.replace("__SAVE_AFTER_S__", repr(save_after_s))
-    lab_driver.check(code.replace("__CKPT__", repr(str(shared / "ckpt"))))
+    code = code.replace("__OPTIONS__", repr(options))
+    lab_driver.check(code.replace("__CKPT__", repr(checkpoints)))
     deadline = time.monotonic() + 120
     while not all((shared / f"joined-0-{r}").exists() for r in (0, 1)):
         assert time.monotonic() < deadline, "the ranks never met"
@@ -220,7 +235,9 @@ def test_spark_decommissioning_an_executor_drains_the_run_like_a_sigterm(
     try:
         code = RUN.replace("__SHARED__", repr(str(shared))).replace("__STEPS__", "2000")
         driver.check(
-            code.replace("__SAVE_AFTER_S__", "0.0").replace("__CKPT__", repr(str(shared / "ckpt")))
+            code.replace("__SAVE_AFTER_S__", "0.0")
+            .replace("__CKPT__", repr(str(shared / "ckpt")))
+            .replace("__OPTIONS__", "None")
         )
         deadline = time.monotonic() + 120
         while not all((shared / f"joined-0-{r}").exists() for r in (0, 1)):

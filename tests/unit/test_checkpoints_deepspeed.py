@@ -269,7 +269,7 @@ def test_a_conversion_of_this_very_checkpoint_is_used_again_and_a_stale_one_is_n
     # DeepSpeed files here) fails, refused with the world sizes and the fix.
     newer = {**marker, "saved_at": 2.0}
     with pytest.raises(Refusal) as info:
-        _converted(str(ckpt_dir), candidate, newer, topology(2), topology(1))
+        _converted(str(ckpt_dir), str(ckpt_dir), candidate, newer, topology(2), topology(1))
     message = str(info.value)
     assert f"checkpoint {candidate.path} was saved by 2 ranks and this run has 1" in message
     assert "run at 2 ranks to load it as it is" in message

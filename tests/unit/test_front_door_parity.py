@@ -85,6 +85,10 @@ EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "deepspeed_config": (str(REPO / "conf/deepspeed/zero2.json"), {"mode": "deepspeed"}),
     "max_restarts": (2, {}),
     "checkpoint_dir": ("/shared/checkpoints", {}),
+    "storage_options": (
+        {"endpoint_url": "http://127.0.0.1:8333"},
+        {"checkpoint_dir": "s3://bucket/run"},
+    ),
     "heartbeat_timeout_s": (9.0, {}),
     "preemption_grace_s": (12.0, {}),
     "mlflow": (True, {}),

@@ -13,11 +13,11 @@ import inspect
 import json
 import math
 import os
-import re
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sparkdist._core import object_store
 from sparkdist._core.errors import ConfigError, ConfigTypeError
 
 #: Local CPU ranks per core of the driver past which a launch is refused unless
@@ -114,30 +114,27 @@ def check_path(name: str, value: Any, accepted: str = "a path") -> str:
     return path
 
 
-#: A URL's scheme (two characters at least: "C:/x" is a Windows drive, not a scheme) and the
-#: slash after its colon ("s3://b/k", "gs://", "abfss://", "file:///x", Databricks' "dbfs:/x").
-_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
 #: Where Databricks mounts DBFS on its driver and workers (``dbfs:/x`` is ``/dbfs/x`` there).
 DBFS_MOUNT = "/dbfs"
 
 
 def checkpoint_directory(value: Any) -> str:
-    """``checkpoint_dir`` as the absolute directory the ranks use.
+    """``checkpoint_dir`` as the ranks use it: an absolute directory, or an object-store URL.
 
     A path (or a ``file://`` URL) becomes absolute; ``dbfs:/x`` is Databricks' ``/dbfs/x``
-    where that mount exists. Any other URL is refused: sparkdist never turns one into a local
-    folder (``os.path.abspath("s3://b/run")`` is a folder named "s3:" under the working
-    directory, on a disk that goes away with the cluster).
+    where that mount exists. Any other URL stays a URL (sparkdist never turns one into a local
+    folder: ``os.path.abspath("s3://b/run")`` is a folder named "s3:" on a disk that goes away
+    with the cluster), read and written through fsspec; its backend must be installed here.
 
     Raises:
         ConfigTypeError: not a text path.
-        ConfigError: an object-store URL, or ``dbfs:/`` where DBFS is not mounted.
+        ConfigError: a scheme fsspec does not know or cannot use, a backend not installed, or
+            ``dbfs:/`` where DBFS is not mounted.
     """
-    path = check_path("checkpoint_dir", value, "a directory path")
-    match = _URL.match(path)
-    if match is None:
+    path = check_path("checkpoint_dir", value, "a directory path or URL")
+    scheme = object_store.scheme_of(path)
+    if scheme is None:
         return os.path.abspath(path)
-    scheme = match.group("scheme").lower()
     if scheme == "file":
         parsed = urllib.parse.urlparse(path)
         if parsed.netloc not in ("", "localhost"):
@@ -155,11 +152,8 @@ def checkpoint_directory(value: Any) -> str:
             "mount of DBFS) is not here; on Databricks pass a /Volumes/... path, elsewhere a "
             "directory every host mounts"
         )
-    raise ConfigError(
-        f"checkpoint_dir={path!r} is a {scheme}:// URL, and object storage is not supported "
-        "yet: pass a directory every host mounts (a shared or network filesystem; on "
-        "Databricks a /Volumes/... path). sparkdist never turns a URL into a local folder"
-    )
+    object_store.check_backend(path, scheme)
+    return scheme + path[len(scheme) :].rstrip("/")  # "S3://b/k" as fsspec knows it: "s3://b/k"
 
 
 def requirement_list(value: Any) -> tuple[Any, ...]:

@@ -37,6 +37,7 @@ from sparkdist._core.launch.checks import (
     shown,
 )
 from sparkdist._core.launch.gpu_type import GPUType
+from sparkdist._core.object_store import check_storage_options, scheme_of
 from sparkdist._core.run.stragglers import (
     DEFAULT_STRAGGLER_FRACTION as DEFAULT_STRAGGLER_FRACTION,  # re-exported: an option's default
 )
@@ -106,6 +107,9 @@ class LaunchConfig:
             cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``; a
             ``file://`` URL or Databricks' ``dbfs:/`` (its ``/dbfs`` mount) is taken, any other
             URL refused (``checks.checkpoint_directory``).
+        storage_options: settings of an object-store ``checkpoint_dir`` that are not secret
+            (``endpoint_url``, ``region_name``, ``profile``...), as fsspec's backend takes them;
+            credentials are refused (each host finds its own: ``_core.object_store``).
         heartbeat_timeout_s: a rank that neither reports nor beats for this long (after it
             joined) is declared hung: its stack is dumped into its output and the run stops.
             It is also the silence limit of each node's link to the driver (10 s when unset):
@@ -142,6 +146,7 @@ class LaunchConfig:
     deepspeed_config: Mapping[str, Any] | None = None
     max_restarts: int = 0
     checkpoint_dir: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
     heartbeat_timeout_s: float | None = None
     preemption_grace_s: float = DEFAULT_PREEMPTION_GRACE_S
     mlflow: bool | None = None
@@ -190,6 +195,14 @@ class LaunchConfig:
         check_positive_seconds("preemption_grace_s", self.preemption_grace_s)
         if self.checkpoint_dir is not None:
             self._set("checkpoint_dir", checkpoint_directory(self.checkpoint_dir))
+        self._set("storage_options", check_storage_options(self.storage_options))
+        if self.storage_options and scheme_of(self.checkpoint_dir or "") is None:
+            raise ConfigError(
+                f"storage_options (settings {', '.join(sorted(self.storage_options))}) are the "
+                "settings of an object store, but checkpoint_dir="
+                f"{self.checkpoint_dir!r} is not an object-store URL; pass "
+                "checkpoint_dir='s3://bucket/prefix' (gs://, abfss://...) or drop storage_options"
+            )
         if self.deepspeed_config is not None:
             if not isinstance(self.deepspeed_config, Mapping):
                 raise ConfigTypeError(
@@ -399,6 +412,11 @@ OPTIONS: tuple[Option, ...] = (
         _cli("--checkpoint-dir", kind=CliKind.TEXT, metavar="DIR"),
     ),
     Option(
+        "storage_options",
+        "settings of an object-store checkpoint_dir that are not secret (endpoint_url...)",
+        _cli("--storage-option", kind=CliKind.ASSIGNMENTS, metavar="KEY=VALUE", note="repeatable"),
+    ),
+    Option(
         "heartbeat_timeout_s",
         "seconds without runtime.report()/heartbeat() to call a rank hung; a node's link limit",
         _cli("--heartbeat-timeout", kind=CliKind.SECONDS, metavar="SECONDS"),
@@ -490,7 +508,7 @@ def build_config(**options: Any) -> LaunchConfig:
             f"{', '.join(OPTION_NAMES)}"
         )
     values = dict(options)
-    for name in ("env", "requirements"):
+    for name in ("env", "requirements", "storage_options"):
         if name in values and values[name] is None:
             values[name] = option(name).default
     if "deepspeed_config" in values:

@@ -20,12 +20,14 @@ from sparkdist._core.addresses import is_loopback
 from sparkdist._core.env import (
     CHECKPOINT_DIR_VAR,
     SOCKET_IFNAME_VARS,
+    STORAGE_OPTIONS_VAR,
     RankSeat,
     worker_env,
 )
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._core.launch.numbering import seats_of_placeholder_hosts
 from sparkdist._core.launch.placement import Placement
+from sparkdist._core.object_store import encode_options
 
 #: Stands for values only known once the run starts (rank 0's store port, the run id...).
 LATER = "<at start>"
@@ -160,6 +162,8 @@ def make_plan(
                     del env[name]  # the user's own value (shown in user_env), not sparkdist's
             if config.checkpoint_dir is not None:
                 env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir
+            if config.storage_options:
+                env[STORAGE_OPTIONS_VAR] = encode_options(config.storage_options)
             ranks.append(RankPlan(seat=seat, gpus=gpus, env=env))
     return LaunchPlan(
         backend=backend,
