@@ -93,8 +93,7 @@ def test_the_wheel_installs_in_a_fresh_environment_and_carries_the_tested_range(
     assert cli.returncode == 0 and "doctor" in cli.stdout, cli.stderr
 
 
-# "[s3]": the object-store backend (s3fs, aiobotocore) sits beside the platform's packages too.
-@pytest.mark.parametrize("extras", ["", "[spark,mlflow]", "[spark,mlflow,s3]"])
+@pytest.mark.parametrize("extras", ["", "[spark,mlflow]"])
 def test_installing_beside_a_platforms_spark_and_mlflow_replaces_nothing(wheel, tmp_path, extras):
     assert FLOOR_PYTHON.exists(), f"{FLOOR_PYTHON} is missing: README command 1 makes it"
     report = tmp_path / "report.json"

@@ -78,7 +78,9 @@ def train(steps, pause, curve_dir):
 """
 
 
-@pytest.mark.parametrize("where", ["shared directory", "object store"])
+# On the object store only: the suite's time is bounded (25 min on 2 cores), and a shared
+# directory's restart across hosts is test_host_faults' (the layout is the same through both).
+@pytest.mark.parametrize("where", ["object store"])
 def test_an_fsdp_run_that_loses_a_host_finishes_on_the_hosts_left_from_a_resharded_checkpoint(
     request: pytest.FixtureRequest,
     lab_cluster: LabCluster,
