@@ -267,14 +267,15 @@ def _read_error(exc: BaseException) -> Exception:
 
 def _reader(path: str, metadata: Any) -> Any:
     """DCP's file reader, given the metadata already read (safely) instead of unpickling it."""
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     storage = storage_for(path)
-    base: type[FileSystemReader] = (
-        FsspecReader if isinstance(storage, ObjectStorage) else FileSystemReader
-    )
+    base: type[FileSystemReader] = FileSystemReader
+    if isinstance(storage, ObjectStorage):  # fsspec's reader (and imports) only for a store
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        base = FsspecReader
 
     class _Reader(base):  # type: ignore[misc,valid-type]
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:

@@ -214,9 +214,3 @@ LOCAL = LocalStorage()
 def _object_storage(root: str, options: str) -> ObjectStorage:
     """One fsspec file system per store and settings in a process (its connections are kept)."""
     return ObjectStorage(root, decode_options(options))
-
-
-def describe(exc: BaseException) -> str:
-    """A store's error in one line: its class and message (a backend's own classes included)."""
-    text = " ".join(str(exc).split()) or "no message"
-    return f"{type(exc).__name__}: {text[:300]}"

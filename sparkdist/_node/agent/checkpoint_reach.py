@@ -27,8 +27,8 @@ import hashlib
 import os
 from collections.abc import Callable
 
+from sparkdist._checkpoint.ranks import describe as describe_store_error
 from sparkdist._checkpoint.storage import LocalStorage, Storage, storage_for
-from sparkdist._checkpoint.storage import describe as describe_store_error
 from sparkdist._core.env import CHECKPOINT_DIR_VAR, STORAGE_OPTIONS_VAR
 from sparkdist._core.files import make_private_dirs, write_private_file
 from sparkdist._node.agent.spec import AgentSpec
