@@ -140,11 +140,8 @@ class Backend(Protocol):
         cluster says it is taking a host back (Spark's decommissioning), where it can say."""
         ...
 
-    def avoid_hosts(self, hosts: set[str]) -> None:
-        """Keep later attempts off ``hosts`` where the backend can (a Spark cluster gives up
-        their executors); a no-op where it cannot (one machine, Spark Connect)."""
-        ...
-
-    def restore_hosts(self) -> None:
-        """The run ended: give back what ``avoid_hosts`` took (a later run may use them)."""
+    def give_up_nodes(self, nodes: set[int]) -> None:
+        """Keep the next attempt off the executors that ran ``nodes`` of the attempt that just
+        ended (those executors only: a later one on the same host is new capacity). A no-op
+        where the backend cannot (one machine, Spark Connect)."""
         ...

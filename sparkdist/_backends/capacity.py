@@ -4,9 +4,11 @@ After a host is lost, Spark still lists its executor for a moment (a killed JVM 
 within about a second of its connection closing) or for minutes (a host cut off is dropped
 only at ``spark.network.timeout``). A restart planned on those slots would submit a stage
 Spark cannot run, or put a task on an executor that never answers, so the lost hosts' slots
-are left out of the count: first by waiting briefly for Spark to drop them, then by
-subtracting what it still lists there. Below ``min_processes`` the restart waits for capacity
-up to ``start_timeout_s``, then fails with the numbers it found.
+are left out of the count. The engine gives their executors up before the restart
+(``give_up_executors``), so the scheduler stops offering them at once; where that failed, a
+brief wait for Spark to drop them, then subtracting what it still lists there. Below
+``min_processes`` the restart waits for capacity up to ``start_timeout_s``, then fails with the
+numbers it found.
 
 Non-goals: choosing the world size from the slots (``_core.placement.shrink_to_slots``), the
 first attempt's wait (``spark_driver.wait_for_barrier_slots``).
@@ -33,13 +35,19 @@ POLL_S = 0.2
 
 def executor_slots_by_host(session: Any, task_cpus: int) -> dict[str, int] | None:
     """Barrier slots of this application's live executors, by host (``hostPort`` without the
-    port); None where this Spark does not say (the internal APIs are missing, or Connect)."""
+    port); None where this Spark does not say (the internal APIs are missing, or Connect).
+
+    Only executors the scheduler still offers count, as in ``count_barrier_slots``: one given
+    up (``give_up_executors``) is listed by the status store until its end is confirmed, which
+    from a host cut off never comes."""
     try:
-        summaries = session.sparkContext._jsc.sc().statusStore().executorList(True)
+        jsc = session.sparkContext._jsc.sc()
+        scheduler = jsc.schedulerBackend()
+        summaries = jsc.statusStore().executorList(True)
         slots: dict[str, int] = {}
         for i in range(summaries.size()):
             summary = summaries.apply(i)
-            if summary.id() == "driver":
+            if summary.id() == "driver" or not scheduler.isExecutorActive(summary.id()):
                 continue
             host = str(summary.hostPort()).rsplit(":", 1)[0]
             slots[host] = slots.get(host, 0) + int(summary.totalCores()) // max(1, task_cpus)

@@ -96,11 +96,8 @@ class LocalBackend:
             in_process=True,
         )
 
-    def avoid_hosts(self, hosts: set[str]) -> None:
+    def give_up_nodes(self, nodes: set[int]) -> None:
         """One machine: there is nowhere else to go."""
-
-    def restore_hosts(self) -> None:
-        """Nothing was taken."""
 
 
 def local_python_path() -> dict[str, str]:

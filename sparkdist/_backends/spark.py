@@ -59,8 +59,8 @@ class SparkBackend:
         self.driver_host = ""
         # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
         self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
-        self._given_up = 0  # executors ``avoid_hosts`` gave up, to ask back at the end
         self._watches_decommission = False  # spark.decommission.enabled, read by ``place``
+        self._last_stage: BarrierStage | None = None  # the attempt ``give_up_nodes`` is about
 
     def place(self, config: LaunchConfig) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key, DECOMMISSION_KEY))
@@ -118,6 +118,7 @@ class SparkBackend:
         stage = BarrierStage(
             self.session, template, placement.num_tasks, placement.use_gpu, self.dataframe
         )
+        self._last_stage = stage
         watch = (
             DecommissionWatch(
                 self.session, on_decommission, f"sparkdist-decommission-{template.run_id}"
@@ -139,30 +140,25 @@ class SparkBackend:
             goodbye_before_cancel=True,
         )
 
-    def avoid_hosts(self, hosts: set[str]) -> None:
-        try:
-            given_up = spark_driver.give_up_executors(self.session, hosts)
-        except Exception as exc:  # noqa: BLE001 - a developer API: the run goes on without it
-            logger.warning("sparkdist: could not give up the executors on %s: %s", hosts, exc)
+    def give_up_nodes(self, nodes: set[int]) -> None:
+        if self._last_stage is None:
             return
-        self._given_up += len(given_up)
-        logger.warning(
-            "sparkdist: host(s) %s failed twice in this run: %s",
-            ", ".join(sorted(hosts)),
-            f"executor(s) {', '.join(given_up)} given up, later attempts run elsewhere"
-            if given_up
-            else "Spark lists no executor of this application there any more",
-        )
-
-    def restore_hosts(self) -> None:
-        # The application's executor target went down with the given-up executors: a later
-        # run in this session gets its capacity back (wherever the cluster manager puts it).
-        if self._given_up:
-            try:
-                self.session.sparkContext._jsc.sc().requestExecutors(self._given_up)
-            except Exception as exc:  # noqa: BLE001 - best effort, as giving them up was
-                logger.warning("sparkdist: could not ask for the given-up executors: %s", exc)
-            self._given_up = 0
+        try:
+            ran_on = spark_driver.task_executors(self.session, self._last_stage.job_group)
+            given_up = spark_driver.give_up_executors(
+                self.session, {ran_on[n] for n in nodes if n in ran_on}
+            )
+        except Exception as exc:  # noqa: BLE001 - a developer API: the run goes on without it
+            logger.warning(
+                "sparkdist: could not give up the executors of node(s) %s: %s", nodes, exc
+            )
+            return
+        if given_up:
+            logger.warning(
+                "sparkdist: executor(s) %s given up: the next attempt does not use them (the "
+                "cluster manager may start new ones, on the same hosts too)",
+                ", ".join(given_up),
+            )
 
 
 class ConnectBackend(SparkBackend):
@@ -171,15 +167,12 @@ class ConnectBackend(SparkBackend):
 
     kind = BackendKind.CONNECT
 
-    def restore_hosts(self) -> None:
-        """Nothing was taken."""
-
-    def avoid_hosts(self, hosts: set[str]) -> None:
+    def give_up_nodes(self, nodes: set[int]) -> None:
         # A Connect client reaches no SparkContext: the server's scheduler decides alone.
         logger.warning(
-            "sparkdist: host(s) %s failed twice in this run; a Spark Connect session cannot "
-            "give up their executors, so later attempts may run there again",
-            ", ".join(sorted(hosts)),
+            "sparkdist: a Spark Connect session cannot give up the executors of node(s) %s, "
+            "so the next attempt may run there again",
+            ", ".join(map(str, sorted(nodes))),
         )
 
 

@@ -15,7 +15,7 @@ import re
 import socket
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from sparkdist._backends.session import active_session as active_session
@@ -249,21 +249,42 @@ def barrier_slots_error(
     )
 
 
-def give_up_executors(session: Any, hosts: set[str]) -> list[str]:
-    """Ask Spark to remove this application's executors on ``hosts`` for good (the target
-    count goes down with them, so the cluster manager does not start them again there);
-    returns their ids. Best effort: ``killExecutors`` is a developer API that a cluster
-    manager may refuse."""
+def task_executors(session: Any, job_group: str) -> dict[int, str]:
+    """The executor each task of ``job_group``'s newest job's last stage ran on, by partition
+    (a barrier stage's partition is its node); {} where Spark does not say."""
     context = session.sparkContext
-    summaries = context._jsc.sc().statusStore().executorList(True)
-    doomed = []
-    for i in range(summaries.size()):
-        summary = summaries.apply(i)
-        host = str(summary.hostPort()).rsplit(":", 1)[0]
-        if summary.id() != "driver" and host in hosts:
-            doomed.append(str(summary.id()))
-    if doomed:
-        ids = context._jvm.PythonUtils.toSeq(doomed)
-        if not context._jsc.sc().killExecutors(ids):
-            return []
-    return doomed
+    tracker = context.statusTracker()
+    jobs = tracker.getJobIdsForGroup(job_group)
+    job = tracker.getJobInfo(max(jobs)) if jobs else None
+    stage = tracker.getStageInfo(max(job.stageIds)) if job is not None and job.stageIds else None
+    if stage is None:
+        return {}
+    tasks = (
+        context._jsc.sc().statusStore().taskList(stage.stageId, stage.currentAttemptId, 2**31 - 1)
+    )
+    executors: dict[int, str] = {}
+    for i in range(tasks.size()):
+        task = tasks.apply(i)
+        executors[int(task.partitionId())] = str(task.executorId())
+    return executors
+
+
+def give_up_executors(session: Any, executor_ids: Collection[str]) -> list[str]:
+    """Remove these of the application's executors that the scheduler still offers tasks
+    (a cut-off one stays listed until ``spark.network.timeout``), and return their ids.
+
+    The application's executor target is kept, so the cluster manager replaces them wherever it
+    has room, the same host included once it is back: a later executor at that address is new
+    capacity, not the one that failed. ``SparkContext.killExecutors`` would lower the target
+    instead, and a standalone application's (unset until then) to 0 for good. Best effort: a
+    developer API that a cluster manager may refuse.
+    """
+    context = session.sparkContext
+    scheduler = context._jsc.sc().schedulerBackend()
+    doomed = [i for i in sorted(executor_ids) if scheduler.isExecutorActive(i)]
+    if not doomed:
+        return []
+    ids = context._jvm.PythonUtils.toSeq(doomed)
+    # killExecutors(ids, adjustTargetNumExecutors, countFailures, force)
+    killed = scheduler.killExecutors(ids, False, False, True)
+    return [str(killed.apply(i)) for i in range(killed.size())]

@@ -37,7 +37,7 @@ from sparkdist._core.run.attempts import (
     attempt_of,
     failed_attempts,
     final_error,
-    hosts_to_avoid,
+    nodes_to_give_up,
     preemption_error,
 )
 from sparkdist._core.run.result import RunResult
@@ -221,8 +221,8 @@ class Launch:
                 logger.warning(
                     "sparkdist: run %s %s; %s", self.run_id, history[-1].summary(), restart
                 )
-                if avoid := hosts_to_avoid(history):  # struck twice: not used again
-                    self._backend.avoid_hosts(avoid)
+                if give_up := nodes_to_give_up(history, state.node_hosts, set(state.lost)):
+                    self._backend.give_up_nodes(give_up)
                 with self._lock:
                     if self._cancel_reason is not None:
                         raise concurrent.futures.CancelledError(self._cancel_reason)
@@ -230,7 +230,6 @@ class Launch:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             self._error = exc
         finally:
-            self._backend.restore_hosts()
             self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()

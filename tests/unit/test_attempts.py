@@ -1,5 +1,5 @@
-"""The restart rules on top of max_restarts (pure): start failures retried once, a host that
-struck twice avoided, every attempt listed with its hosts."""
+"""The restart rules on top of max_restarts (pure): start failures retried once, the executors
+of a host struck twice, or lost, given up, every attempt listed with its hosts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sparkdist._core.run.attempts import (
     attempt_of,
     failed_attempts,
     final_error,
-    hosts_to_avoid,
+    nodes_to_give_up,
     preemption_error,
     start_failures_stop,
 )
@@ -82,14 +82,29 @@ def test_without_restarts_the_error_is_the_attempts_own():
     assert final_error([Attempt(0, ("a",), failure())], error, max_restarts=0) is error
 
 
-def test_a_host_where_two_root_causes_struck_is_avoided():
+def test_a_hosts_nodes_are_given_up_at_its_second_strike_and_each_strike_after():
+    nodes = {0: "a", 1: "b", 2: "b", 3: "c"}
     history = [
         Attempt(0, ("a", "b"), failure(host="b")),
         Attempt(1, ("a", "c"), failure(host="c")),
     ]
-    assert hosts_to_avoid(history) == set()
+    assert nodes_to_give_up(history, nodes, lost=()) == set()
     history.append(Attempt(2, ("b", "c"), failure(host="b")))
-    assert hosts_to_avoid(history) == {"b"}
+    assert nodes_to_give_up(history, nodes, lost=()) == {1, 2}  # every node of that attempt there
+    # The next failure is elsewhere: b's new executors (if it got some) are not given up for
+    # the old strikes; a third strike there gives those up too.
+    history.append(Attempt(3, ("b", "c"), failure(host="c")))
+    assert nodes_to_give_up(history, nodes, lost=()) == {3}
+    history.append(Attempt(4, ("b", "c"), failure(host="b")))
+    assert nodes_to_give_up(history, nodes, lost=()) == {1, 2}
+
+
+def test_the_nodes_an_attempt_lost_contact_with_are_given_up_at_once():
+    history = [Attempt(0, ("a", "b", "c"), failure(host="a"))]
+    assert nodes_to_give_up(history, {0: "a", 1: "b", 2: "c"}, lost={1}) == {1}
+    preempted_one = [Attempt(0, ("a", "b"), preempted="node 1 (host b) got SIGTERM")]
+    assert nodes_to_give_up(preempted_one, {0: "a", 1: "b"}, lost={1}) == {1}
+    assert nodes_to_give_up([], {}, lost=()) == set()
 
 
 # -- preemptions -------------------------------------------------------------------------------

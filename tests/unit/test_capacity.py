@@ -46,6 +46,7 @@ class FakeSpark:
     looks: int = 0
     clock_s: float = 0.0
     seen: list[int] = field(default_factory=list)
+    given_up: set[str] = field(default_factory=set)  # listed, but no longer offered tasks
 
     @property
     def sparkContext(self) -> FakeSpark:  # noqa: N802 - Spark's name
@@ -76,7 +77,13 @@ class FakeSpark:
         return None
 
     def maxNumConcurrentTasks(self, profile: object) -> int:  # noqa: N802
-        return sum(e.cores for e in self._now())
+        return sum(e.cores for e in self._now() if e.id() not in self.given_up)
+
+    def schedulerBackend(self) -> FakeSpark:  # noqa: N802
+        return self
+
+    def isExecutorActive(self, executor_id: str) -> bool:  # noqa: N802
+        return executor_id not in self.given_up
 
     def statusTracker(self) -> FakeSpark:  # noqa: N802
         return self
@@ -111,6 +118,17 @@ def test_a_cut_off_hosts_executor_still_listed_is_subtracted_after_the_settle() 
     )
     assert found == 2
     assert spark.clock_s >= capacity.LOST_EXECUTORS_SETTLE_S  # it gave Spark the settle first
+
+
+def test_a_given_up_executor_still_listed_is_not_taken_out_twice() -> None:
+    # A cut-off host's executor given up before the restart: the status store lists it until
+    # its end is confirmed (never, behind a cut), the scheduler offers it nothing already.
+    spark = FakeSpark([[A, B, C]], given_up={C.id()})
+    found = capacity.wait_for_capacity(
+        spark, fewest_tasks=2, lost_hosts={C.host}, task_cpus=1, wait_s=60, clock=spark.clock
+    )
+    assert found == 2
+    assert spark.clock_s < capacity.LOST_EXECUTORS_SETTLE_S  # nothing to wait out
 
 
 def test_below_min_processes_it_waits_for_capacity_that_comes() -> None:

@@ -6,8 +6,12 @@ ran on and how it ended) (pure).
 - a failure before every rank started (a bad image, an import error, a missing package on a
   node) is retried once, not blindly: a second attempt in a row that fails before starting
   would fail the same way a third time;
-- a host that was where an attempt's root cause struck twice is not used again in the run
-  (the backend is asked to give up its executors: ``Backend.avoid_hosts``);
+- the executors an attempt lost contact with, and its executors on a host where its root cause
+  struck for the second time in the run, are given up before the next attempt
+  (``Backend.give_up_nodes``): a cut-off host's executor stays listed by Spark for minutes,
+  and a task placed there would never answer. Only the failed attempt's executors: one that
+  joined later at the same address (the host came back, a new machine took its address) is new
+  capacity, and the cluster manager may start one there at once (the target is kept);
 - a preempted attempt (``Attempt.preempted``: a SIGTERM reached a rank or an agent; the ranks
   drained) is restarted without using ``max_restarts``: the cluster took the capacity back,
   the job did nothing wrong. Preemptions are counted apart, and ``PREEMPTIONS_IN_A_ROW`` of
@@ -20,13 +24,13 @@ Non-goals: running the attempts (``_engine.launch``), finding the root cause (``
 
 from __future__ import annotations
 
-import collections
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
 from sparkdist._core.run.run_state import RunState
 
-#: A host where this many attempts' root causes struck is avoided for the rest of the run.
+#: A host where this many attempts' root causes struck has its executors given up (and again at
+#: each later strike there).
 HOST_FAILURES_TO_AVOID = 2
 #: Attempts in a row that may fail before every rank started; then no more restarts.
 START_FAILURES_IN_A_ROW = 2
@@ -70,12 +74,20 @@ def preemption_error(attempts: Sequence[Attempt]) -> ClusterError | None:
     return ClusterError("\n".join(lines))
 
 
-def hosts_to_avoid(attempts: Sequence[Attempt]) -> set[str]:
-    """Hosts where at least ``HOST_FAILURES_TO_AVOID`` attempts' root causes struck."""
-    struck = collections.Counter(
-        a.failure.host for a in attempts if a.failure is not None and a.failure.host
-    )
-    return {host for host, count in struck.items() if count >= HOST_FAILURES_TO_AVOID}
+def nodes_to_give_up(
+    attempts: Sequence[Attempt], node_hosts: Mapping[int, str], lost: Collection[int]
+) -> set[int]:
+    """The nodes of the last of ``attempts`` whose executors the next attempt must not use:
+    the ``lost`` ones (it lost contact with them: killed, or cut off), and those on the host of
+    its root cause once ``HOST_FAILURES_TO_AVOID`` attempts' root causes struck there.
+    ``node_hosts``: each node's host in that attempt."""
+    nodes = set(lost)
+    last = attempts[-1].failure if attempts else None
+    if last is not None and last.host:
+        struck = sum(1 for a in attempts if a.failure is not None and a.failure.host == last.host)
+        if struck >= HOST_FAILURES_TO_AVOID:
+            nodes |= {node for node, host in node_hosts.items() if host == last.host}
+    return nodes
 
 
 def attempt_of(state: RunState, number: int, failure: RankFailure | None = None) -> Attempt:
