@@ -31,6 +31,7 @@ from typing import Any, Generic, ParamSpec, TypeVar
 from sparkdist._core.errors import ConfigError, ConfigTypeError, SparkdistError
 from sparkdist._core.launch.checks import check_launchable
 from sparkdist._core.launch.config import (
+    DEFAULT_GROW_AFTER_S,
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_PREEMPTION_GRACE_S,
@@ -67,6 +68,7 @@ def distributed(
     remote: bool = False,
     *,
     min_processes: int | None = None,
+    grow_after_s: float | None = DEFAULT_GROW_AFTER_S,
     use_gpu: bool | None = None,
     mode: Mode | str = Mode.DDP,
     timeout_s: float | None = None,
@@ -108,8 +110,8 @@ def distributed(
         timeout_s: stop every rank and raise ``RunTimeoutError`` after this many seconds.
         start_timeout_s: raise ``RendezvousError`` if a rank has not joined by then.
         env: extra environment variables for every rank (not the ones sparkdist sets).
-        min_processes, deepspeed_config, max_restarts, checkpoint_dir, storage_options,
-            heartbeat_timeout_s, mlflow,
+        min_processes, grow_after_s, deepspeed_config, max_restarts, checkpoint_dir,
+            storage_options, heartbeat_timeout_s, mlflow,
             preemption_grace_s, requirements, job_size_warn_mb, job_size_limit_mb,
             allow_oversubscribe, system_metrics_interval_s, straggler_fraction,
             straggler_window_s: as on ``Distributor``.

@@ -19,6 +19,7 @@ from typing import Any
 from sparkdist._core.errors import ConfigError, SparkdistError
 from sparkdist._core.launch.checks import check_launchable
 from sparkdist._core.launch.config import (
+    DEFAULT_GROW_AFTER_S,
     DEFAULT_JOB_SIZE_LIMIT_MB,
     DEFAULT_JOB_SIZE_WARN_MB,
     DEFAULT_PREEMPTION_GRACE_S,
@@ -60,6 +61,11 @@ class Distributor:
             waits up to ``start_timeout_s`` for capacity. Ranks see the attempt's
             ``WORLD_SIZE`` and ``runtime.requested_world_size()``. None (the default): every
             attempt has ``num_processes`` ranks.
+        grow_after_s: an elastic run that runs below ``num_processes`` grows back: once the
+            cluster has held a larger world (up to ``num_processes``) for this many seconds in
+            a row, every rank drains as for a preemption (``runtime.should_stop()`` at the same
+            step, a checkpoint of that step) and the run restarts at the larger world, without
+            using ``max_restarts``. Needs ``checkpoint_dir``; None never grows (60 s by default).
         local_mode: True runs on the driver; False runs on the cluster's executors.
         use_gpu: True binds each rank to a GPU; False runs on CPU (gloo) with every GPU hidden;
             None (the default) uses GPUs when there are any and CPU otherwise.
@@ -145,6 +151,7 @@ class Distributor:
         num_processes: int = 1,
         *,
         min_processes: int | None = None,
+        grow_after_s: float | None = DEFAULT_GROW_AFTER_S,
         local_mode: bool = True,
         use_gpu: bool | None = None,
         mode: Mode | str = Mode.DDP,

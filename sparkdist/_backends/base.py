@@ -140,6 +140,12 @@ class Backend(Protocol):
         cluster says it is taking a host back (Spark's decommissioning), where it can say."""
         ...
 
+    def world_that_fits(self, config: LaunchConfig) -> int | None:
+        """The world (ranks, up to ``config.num_processes``) the cluster's slots hold now, for
+        an elastic run that could grow; None where the backend cannot say (one machine,
+        Connect), and 0 where not even ``min_processes`` fits."""
+        ...
+
     def give_up_nodes(self, nodes: set[int]) -> None:
         """Keep the next attempt off the executors that ran ``nodes`` of the attempt that just
         ended (those executors only: a later one on the same host is new capacity). A no-op

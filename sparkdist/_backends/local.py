@@ -96,6 +96,10 @@ class LocalBackend:
             in_process=True,
         )
 
+    def world_that_fits(self, config: LaunchConfig) -> int | None:
+        """One machine: its capacity does not come and go."""
+        return None
+
     def give_up_nodes(self, nodes: set[int]) -> None:
         """One machine: there is nowhere else to go."""
 

@@ -140,6 +140,14 @@ class SparkBackend:
             goodbye_before_cancel=True,
         )
 
+    def world_that_fits(self, config: LaunchConfig) -> int | None:
+        counted = spark_driver.count_barrier_slots(self.session)
+        if counted is None:
+            return None
+        conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
+        placement = shrink_to_slots(config, place_on_cluster(config, conf), counted[0])
+        return 0 if placement is None else placement.world_size
+
     def give_up_nodes(self, nodes: set[int]) -> None:
         if self._last_stage is None:
             return
@@ -166,6 +174,10 @@ class ConnectBackend(SparkBackend):
     slots estimated from the conf; ``allGather`` when the driver's channel is unreachable)."""
 
     kind = BackendKind.CONNECT
+
+    def world_that_fits(self, config: LaunchConfig) -> int | None:
+        """A Connect client lists no executors: the run stays at its size."""
+        return None
 
     def give_up_nodes(self, nodes: set[int]) -> None:
         # A Connect client reaches no SparkContext: the server's scheduler decides alone.

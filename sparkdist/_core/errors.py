@@ -125,6 +125,10 @@ class Attempt:
             restarted without using ``max_restarts``.
         progressed: it committed a newer checkpoint than the one it started from (what keeps
             a run that is preempted again and again going: ``attempts.preemption_error``).
+        grew: why it drained to restart at a larger world (an elastic run's capacity came
+            back: ``grow_after_s``); "" when it did not. Grows use no ``max_restarts`` and are
+            no preemptions.
+        world_size: how many ranks it ran (0 where not known).
     """
 
     number: int
@@ -133,10 +137,14 @@ class Attempt:
     before_start: bool = False
     preempted: str = ""
     progressed: bool = False
+    grew: str = ""
+    world_size: int = 0
 
     def summary(self) -> str:
         """One line: ``attempt 1 (on 10.0.0.2, 10.0.0.3) failed first at rank 1 on ...``."""
         head = f"attempt {self.number} (on {', '.join(self.hosts) or 'no host'})"
+        if self.grew:
+            return f"{head} drained to grow: {self.grew}"
         if self.preempted:
             return f"{head} was preempted: {self.preempted}"
         if self.failure is None:

@@ -42,6 +42,7 @@ from sparkdist._core.run.attempts import (
 )
 from sparkdist._core.run.result import RunResult
 from sparkdist._core.run.run_state import Deadlines
+from sparkdist._engine.growth_watch import start_growth_watch
 from sparkdist._engine.prepare import prepare
 from sparkdist._engine.rank_lines import warn_lines_dropped
 from sparkdist._engine.supervisor import (
@@ -177,6 +178,8 @@ class Launch:
         except BaseException:
             server.close()
             raise
+        if self.config.grows and placement.world_size < self.config.num_processes:
+            start_growth_watch(self.config, self._backend, self._attempt, self.run_id)
 
     def _supervise(self) -> None:
         history: list[Attempt] = []
@@ -205,19 +208,22 @@ class Launch:
                         raise
                 finally:
                     attempt.close()
-                if state.was_preempted:  # restarted without using max_restarts
+                if (grown := attempt_of(state, len(history), grow=attempt.grow_notice)).grew:
+                    history.append(grown)
+                    restart = "restarting at the larger world (not counted in max_restarts)"
+                elif state.was_preempted:  # restarted without using max_restarts
                     progressed = self._checkpoint_step() not in (None, attempt.started_from)
                     history.append(
                         dataclasses.replace(attempt_of(state, len(history)), progressed=progressed)
                     )
                     if (too_many := preemption_error(history)) is not None:
                         raise too_many
-                    if self._cancel_reason is not None:  # the driver's SIGTERM: no restart
-                        raise concurrent.futures.CancelledError(self._cancel_reason)
                     restart = "restarting from its last checkpoint (not counted in max_restarts)"
                 else:
                     used = failed_attempts(history)
                     restart = f"restarting (restart {used} of {self.config.max_restarts})"
+                if state.was_preempted and self._cancel_reason is not None:  # driver's SIGTERM
+                    raise concurrent.futures.CancelledError(self._cancel_reason)
                 logger.warning(
                     "sparkdist: run %s %s; %s", self.run_id, history[-1].summary(), restart
                 )
@@ -345,13 +351,19 @@ class _Attempt:
         self.agents = agents
         self.placement = placement  # a restart of an elastic run may have fewer ranks
         self.started_from = started_from  # the newest checkpoint's step when it started
+        self.ended = threading.Event()  # set by close(): the growth watch stops
+        self.grow_notice: str | None = None  # the drain's why, when it drained to grow
 
     def lost_hosts(self) -> set[str]:
         """The hosts of the nodes this attempt lost contact with (killed or cut off)."""
         state = self.monitor.state
         return {state.node_hosts[n] for n in state.lost if n in state.node_hosts}
 
+    def drain(self, why: str) -> None:  # every rank, as for a preemption notice of ``why``
+        self.monitor.preempt(why)
+
     def close(self) -> None:
+        self.ended.set()
         self.server.close()
         if self.monitor.dropped:
             warn_lines_dropped(self.monitor.dropped)

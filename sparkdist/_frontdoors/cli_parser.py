@@ -287,10 +287,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _seconds_or_never(text: str) -> float | None:
+    return None if text.strip().lower() == "never" else _positive_float(text)
+
+
 _READERS = {
     CliKind.COUNT: _non_negative_int,
     CliKind.POSITIVE_COUNT: _positive_int,
     CliKind.SECONDS: _positive_float,
+    CliKind.SECONDS_OR_NEVER: _seconds_or_never,
     CliKind.NUMBER: _non_negative_float,
     CliKind.TEXT: _text,
 }

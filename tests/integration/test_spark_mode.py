@@ -102,10 +102,11 @@ def world_sizes():
 
 def test_an_elastic_run_starts_with_the_slots_there_are_down_to_min_processes(spark_local):
     # local[2] runs 2 tasks at once: 3 ranks asked for, 2 allowed, 2 run.
-    result = Distributor(3, min_processes=2, local_mode=False, use_gpu=False).run_all(world_sizes)
+    elastic = {"local_mode": False, "use_gpu": False, "grow_after_s": None}  # no checkpoint_dir
+    result = Distributor(3, min_processes=2, **elastic).run_all(world_sizes)
     assert result.values == [(2, 3), (2, 3)]
     with pytest.raises(ClusterError, match="needs 3 task slots at once but master 'local.2.'"):
-        Distributor(4, min_processes=3, local_mode=False, use_gpu=False).run(world_sizes)
+        Distributor(4, min_processes=3, **elastic).run(world_sizes)
     assert not run_processes()
 
 

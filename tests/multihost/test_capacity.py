@@ -92,7 +92,7 @@ def test_a_host_given_up_in_a_run_gets_its_executor_back_and_the_next_run_uses_i
     ended = driver.check(
         f"""
 r = sparkdist.Distributor(3, local_mode=False, use_gpu=False, max_restarts=2,
-    min_processes=2).run_all(fails_on, {victim.hostname!r})
+    min_processes=2, grow_after_s=None).run_all(fails_on, {victim.hostname!r})
 result = {{"values": r.values, "struck": [a.failure.host for a in r.attempts if a.failure]}}
 """
     )
@@ -134,7 +134,8 @@ def test_a_cut_off_hosts_executor_is_given_up_before_the_restart(
         f"""
 import threading
 handle = sparkdist.Distributor(3, local_mode=False, use_gpu=False, max_restarts=1,
-    min_processes=2, start_timeout_s=30).run_async(steps_until_cut, {str(shared)!r}, "")
+    min_processes=2, grow_after_s=None, start_timeout_s=30).run_async(
+    steps_until_cut, {str(shared)!r}, "")
 ended = {{}}
 def wait_for_it():
     try:

@@ -1,6 +1,7 @@
-"""Elastic runs in the lab: an FSDP2 run of 3 ranks on 3 hosts loses a host and finishes on the
-capacity left, from its last checkpoint resharded to the smaller world, its loss curve going
-on where it stopped.
+"""Elastic runs in the lab: an FSDP2 run of 3 ranks on 3 hosts loses a host and goes on with
+the capacity left, from its last checkpoint resharded to the smaller world; the host comes
+back, and once it has been back for ``grow_after_s`` the run drains (no step lost) and grows
+back to 3 ranks, its loss curve going on where it stopped through both resizes.
 
 The checkpoints live on a real S3 server (SeaweedFS) on the driver's host, as on a cluster with
 no shared filesystem (issue 33): the hosts each have only their private /tmp, and the keys reach
@@ -15,6 +16,7 @@ is the yardstick the resumed run is held to.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -25,13 +27,16 @@ from tests._helpers.s3_server import LabS3Server
 
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
 
-STEPS = 24
+STEPS = 40
+#: Seconds a step takes on the full world, and while the run is shrunk (long enough for the
+#: lost host to come back and the run to grow before it ends).
+PAUSE_S, SHRUNK_PAUSE_S = 0.3, 1.0
 
 TRAIN = """
 import json, os, socket, threading, time
 import sparkdist
 
-def train(steps, pause, curve_dir):
+def train(steps, pause, curve_dir, shrunk_pause=None):
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -75,7 +80,10 @@ def train(steps, pause, curve_dir):
                        os.path.join(curve_dir, f"step-{step}"))
         model_state, optimizer_state = get_state_dict(model, optimizer)
         runtime.save_checkpoint({"model": model_state, "optimizer": optimizer_state}, step)
-        time.sleep(pause)
+        if runtime.should_stop():  # a drain (to grow): this step is saved, the restart goes on
+            break
+        small = shrunk_pause is not None and world < runtime.requested_world_size()
+        time.sleep(shrunk_pause if small else pause)
     dist.destroy_process_group()
     return {"world": world, "requested": runtime.requested_world_size(),
             "resumed_from": resumed_from, "curve": curve, "host": socket.gethostname()}
@@ -102,7 +110,7 @@ while not fs.exists({url + "/COMMITTED"!r}):
 # directory's restart across hosts is test_host_faults' (the layout is the same through both).
 # A DDP restart from the store, bit for bit, is tests/integration/test_checkpoints_store.py's.
 @pytest.mark.parametrize("where", ["object store"])
-def test_an_fsdp_run_that_loses_a_host_finishes_on_the_hosts_left_from_a_resharded_checkpoint(
+def test_an_fsdp_run_shrinks_when_a_host_is_lost_and_grows_back_when_it_returns(
     request: pytest.FixtureRequest,
     lab_cluster: LabCluster,
     lab_driver: DriverKernel,
@@ -133,14 +141,16 @@ result = sparkdist.Distributor(2, local_mode=False, use_gpu=False, mode="fsdp",
     curve.mkdir()
     lab_driver.check(
         f"""
-handle = sparkdist.Distributor(3, min_processes=2, local_mode=False, use_gpu=False,
-    mode="fsdp", max_restarts=1, checkpoint_dir={checkpoints!r}, storage_options={options!r}
-    ).run_async(train, {STEPS}, 0.3, {str(curve)!r})
+handle = sparkdist.Distributor(3, min_processes=2, grow_after_s=2, local_mode=False,
+    use_gpu=False, mode="fsdp", max_restarts=1, checkpoint_dir={checkpoints!r},
+    storage_options={options!r}).run_async(
+    train, {STEPS}, {PAUSE_S}, {str(curve)!r}, {SHRUNK_PAUSE_S})
 ended = {{}}
 def wait_for_it():
     try:
         r = handle.run_result(timeout=600)
-        ended.update(values=r.values, attempts=[list(a.hosts) for a in r.attempts])
+        ended.update(values=r.values, hosts=r.hosts,
+                     attempts=[(list(a.hosts), a.world_size, a.grew) for a in r.attempts])
     except BaseException as error:
         ended["error"] = f"{{type(error).__name__}}: {{error}}"
     ended["at"] = time.time()
@@ -155,35 +165,49 @@ threading.Thread(target=wait_for_it, daemon=True).start()
         time.sleep(0.05)
     busy = {p["host"] for p in lab.rank_processes()}
     assert len(busy) == 3, busy
-    victim = sorted(busy)[-1]
+    victim, back = sorted(busy)[-1], False
+    address = lab.hosts[victim].address
     try:
         lab.kill_host(victim)
+        deadline = time.monotonic() + 120
+        while not any(_read(p)[0] == 2 for p in curve.glob("step-*[0-9]")):
+            assert time.monotonic() < deadline, "the run never went on with 2 ranks"
+            time.sleep(0.1)
+        lab_cluster.restart_host(victim)  # the host comes back; the run grows onto it
+        back = True
         deadline = time.monotonic() + 240
         while not (ended := lab_driver.check("result = ended if 'at' in ended else None")):
             assert time.monotonic() < deadline, "run() had not returned 240 s after the kill"
             time.sleep(0.1)
         assert "values" in ended, ended
-        first, second = ended["attempts"]
-        assert len(first) == 3 and lab.hosts[victim].address in first, ended["attempts"]
-        assert lab.hosts[victim].address not in second, ended["attempts"]
+        (first, _, _), (second, shrunk, grew), (third, grown, _) = ended["attempts"]
+        assert len(first) == 3 and address in first, ended["attempts"]
+        assert address not in second and shrunk == 2, ended["attempts"]
+        assert grew.startswith("the cluster has held 3 of the 3 ranks"), ended["attempts"]
+        assert grown == 3 and address in ended["hosts"], ended  # a rank on the returned host
         resumed = ended["values"][0]
-        world = resumed["world"]
-        assert world == len(ended["values"]) == len(second) and 2 <= world < 3, ended
-        assert resumed["requested"] == 3
-        # Resumed from the last checkpoint the 3 ranks committed (step 8 or later), not from
-        # scratch, and trained every step after it once.
-        last_before = max(int(p.name[5:]) for p in curve.iterdir() if p.suffix != ".tmp")
-        assert resumed["resumed_from"] is not None, resumed
-        assert 8 <= resumed["resumed_from"] <= last_before, (resumed, last_before)
+        assert resumed["world"] == len(ended["values"]) == 3 and resumed["requested"] == 3
+        # The grow lost no step: the drain's checkpoint is of the last step the 2 ranks
+        # trained, and the 3 ranks went on from the next one, every step once.
+        trained_by_two = [int(p.name[5:]) for p in curve.glob("step-*[0-9]") if _read(p)[0] == 2]
+        assert resumed["resumed_from"] == max(trained_by_two), (resumed, trained_by_two)
         assert [step for step, _ in resumed["curve"]] == list(
             range(resumed["resumed_from"] + 1, STEPS)
         )
-        # The curve goes on where it stopped: every step after the restart has the loss an
-        # uninterrupted run has there (the checkpoint carried the weights and Adam's moments).
+        # The curve goes on where it stopped through both resizes: every step has the loss an
+        # uninterrupted run has there (the checkpoints carried the weights and Adam's moments).
+        for path in curve.glob("step-*[0-9]"):
+            step, loss = int(path.name[5:]), _read(path)[1]
+            assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (step, loss)
         for step, loss in resumed["curve"]:
             assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (step, loss)
-        if where == "object store":  # the URL never became a local folder on any host left
-            for host in set(lab_cluster.workers) - {victim}:
+        if where == "object store":  # the URL never became a local folder on any host
+            for host in lab_cluster.workers:
                 assert "s3:" not in (lab.list_dir(host, "/tmp") or []), host
     finally:
-        lab_cluster.restart_host(victim)
+        if not back:
+            lab_cluster.restart_host(victim)
+
+
+def _read(path: Path) -> list:
+    return json.loads(path.read_text())  # type: ignore[no-any-return]

@@ -16,6 +16,7 @@ from sparkdist._core.run.attempts import (
     preemption_error,
     start_failures_stop,
 )
+from sparkdist._core.run.growth import GROW_NOTICE
 from sparkdist._core.run.run_state import (
     Deadlines,
     NodeHello,
@@ -107,6 +108,25 @@ def test_the_nodes_an_attempt_lost_contact_with_are_given_up_at_once():
     assert nodes_to_give_up([], {}, lost=()) == set()
 
 
+# -- grows ---------------------------------------------------------------------------------------
+
+
+def test_a_drain_to_grow_is_a_grow_not_a_preemption_and_uses_no_restart():
+    state = RunState(2, 2, Deadlines(60.0), 0.0)
+    state.handle(NodeHello(0, "a"), 1.0)
+    state.handle(NodeHello(1, "b"), 1.0)
+    notice = GROW_NOTICE + "the cluster has held 3 of the 3 ranks asked for"
+    state.handle(PreemptionNotice(notice), 1.0)
+    grown = attempt_of(state, 1, grow=notice)
+    assert grown.grew == "the cluster has held 3 of the 3 ranks asked for"
+    assert not grown.preempted and grown.world_size == 2
+    assert grown.summary() == f"attempt 1 (on a, b) drained to grow: {grown.grew}"
+    # A preemption notice that came first stays a preemption, whatever the watch then tried.
+    assert attempt_of(state, 1, grow=GROW_NOTICE + "other").preempted == notice
+    history = [Attempt(0, ("a", "b", "c"), failure()), grown]
+    assert failed_attempts(history) == 1  # the grow is not counted in max_restarts
+
+
 # -- preemptions -------------------------------------------------------------------------------
 
 PREEMPTED = "node 1 (host b): rank 1 got SIGTERM"
@@ -123,7 +143,7 @@ def test_a_preempted_attempt_says_so_and_has_no_root_cause():
     state.handle(PreemptionNotice(PREEMPTED), 2.0)
     state.handle(RankFailed(0), 3.0)  # a peer lost during the drain: its consequence
     attempt = attempt_of(state, 0, failure(rank=0))
-    assert attempt == Attempt(0, ("a", "b"), preempted=PREEMPTED)
+    assert attempt == Attempt(0, ("a", "b"), preempted=PREEMPTED, world_size=2)
     assert attempt.summary() == f"attempt 0 (on a, b) was preempted: {PREEMPTED}"
     assert pickle.loads(pickle.dumps(attempt)) == attempt
 

@@ -58,6 +58,13 @@ def test_defaults_are_the_tables(in_tmp):
     assert parse("train.py") == RunRequest(target="train.py", config=build_config())
 
 
+def test_growing_is_set_in_seconds_or_turned_off_with_never(in_tmp):
+    elastic = ("-n", "3", "--min-processes", "2")
+    stored = parse(*elastic, "--checkpoint-dir", "/shared/ckpt", "--grow-after", "30", "train.py")
+    assert stored.config.grow_after_s == 30.0
+    assert parse(*elastic, "--grow-after", "never", "train.py").config.grow_after_s is None
+
+
 def test_module_master_conf_env_cpu_and_timeouts(in_tmp):
     request = parse(
         "-n",
@@ -186,6 +193,7 @@ def test_contradictions_and_bad_files_are_config_errors(in_tmp, argv, message):
         ["run", "-n", "two", "train.py"],
         ["run", "--local", "--master", "yarn", "train.py"],
         ["run", "--timeout", "-1", "train.py"],
+        ["run", "--grow-after", "0", "train.py"],
         ["run", "--max-restarts", "-1", "train.py"],
         ["run", "--system-metrics-interval", "-1", "train.py"],
         ["run", "--straggler-fraction", "half", "train.py"],

@@ -45,6 +45,13 @@ CASES = [
     ),
     ({"min_processes": 0}, ConfigError, ["min_processes must be a positive integer", "0"]),
     ({"min_processes": 1.5}, ConfigTypeError, ["min_processes must be a positive integer"]),
+    # grow_after_s: growing back drains to a checkpoint, so it needs checkpoint_dir
+    (
+        {"num_processes": 3, "min_processes": 2},
+        ConfigError,
+        ["min_processes=2 with grow_after_s=60", "needs checkpoint_dir", "grow_after_s=None"],
+    ),
+    ({"grow_after_s": 0}, ConfigError, ["grow_after_s must be a positive number"]),
     ({"env": {"SPARKDIST_REQUESTED_WORLD_SIZE": "8"}}, ConfigError, ["env sets SPARKDIST_REQ"]),
     # env: a mapping of POSIX names to strings, none of the launcher's own
     ({"env": "X=1"}, ConfigTypeError, ["env must be a mapping", "'X=1'", "env={'X': '1'}"]),

@@ -74,7 +74,11 @@ CLI_HAND_DESTS = {"master": "local_mode", "local": "local_mode", "cpu": "use_gpu
 #: options some doors need for the value to be valid.
 EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "num_processes": (3, {}),
-    "min_processes": (2, {"num_processes": 3}),
+    "min_processes": (2, {"num_processes": 3, "checkpoint_dir": "/shared/checkpoints"}),
+    "grow_after_s": (
+        30.0,
+        {"num_processes": 3, "min_processes": 2, "checkpoint_dir": "/shared/checkpoints"},
+    ),
     "local_mode": (False, {}),
     "use_gpu": (False, {}),
     "mode": ("fsdp", {}),

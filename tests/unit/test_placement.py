@@ -282,7 +282,9 @@ def test_check_ssl_refuses_without_the_opt_out_and_names_it(opt_out):
 def test_an_elastic_world_is_the_most_whole_tasks_the_slots_hold_within_the_bounds(
     num, fewest, per_task, slots, expected_world
 ):
-    config = LaunchConfig(num_processes=num, min_processes=fewest, local_mode=False)
+    config = LaunchConfig(
+        num_processes=num, min_processes=fewest, grow_after_s=None, local_mode=False
+    )
     full = Placement(num // per_task, per_task, per_task > 1)
     shrunk = shrink_to_slots(config, full, slots)
     assert (None if shrunk is None else shrunk.world_size) == expected_world

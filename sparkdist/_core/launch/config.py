@@ -56,6 +56,10 @@ DEFAULT_SYSTEM_METRICS_INTERVAL_S = 10.0
 #: Seconds from a preemption notice (SIGTERM) to the stop of ranks still running: under
 #: Kubernetes' 30 s between SIGTERM and SIGKILL, so a checkpoint written at once fits.
 DEFAULT_PREEMPTION_GRACE_S = 25.0
+#: Seconds a larger world must fit the cluster, in a row, before an elastic run below its
+#: world drains and restarts at it: long enough that a host flapping back for a moment costs
+#: no drain, short against the hours a shrunk run would otherwise run small.
+DEFAULT_GROW_AFTER_S = 60.0
 
 
 class Mode(str, enum.Enum):
@@ -91,6 +95,9 @@ class LaunchConfig:
         num_processes: total number of ranks (the world size) every attempt asks for.
         min_processes: the smallest world a restart may start with when the cluster has lost
             capacity (elastic runs); None means ``num_processes`` (a fixed world).
+        grow_after_s: an elastic run below ``num_processes`` drains (as for a preemption) and
+            restarts at a larger world once that world has fitted the cluster this long in a
+            row; None never grows. Growing needs ``checkpoint_dir``.
         local_mode: True runs the ranks on the driver; False runs them as Spark barrier tasks.
         use_gpu: True binds one GPU per rank; False runs on CPU with gloo; None picks GPUs when
             there are any, CPU otherwise.
@@ -136,6 +143,7 @@ class LaunchConfig:
 
     num_processes: int = 1
     min_processes: int | None = None
+    grow_after_s: float | None = DEFAULT_GROW_AFTER_S
     local_mode: bool = True
     use_gpu: bool | None = None
     mode: Mode = Mode.DDP
@@ -203,6 +211,15 @@ class LaunchConfig:
                 f"{self.checkpoint_dir!r} is not an object-store URL; pass "
                 "checkpoint_dir='s3://bucket/prefix' (gs://, abfss://...) or drop storage_options"
             )
+        if self.grow_after_s is not None:
+            check_positive_seconds("grow_after_s", self.grow_after_s)
+            if self.min_processes is not None and self.checkpoint_dir is None:
+                raise ConfigError(
+                    f"min_processes={self.min_processes} with grow_after_s={self.grow_after_s:g}"
+                    " grows the run back by draining it to a checkpoint and restarting from it, "
+                    "which needs checkpoint_dir; pass checkpoint_dir (storage every rank "
+                    "reaches), or grow_after_s=None to stay at the smaller world"
+                )
         if self.deepspeed_config is not None:
             if not isinstance(self.deepspeed_config, Mapping):
                 raise ConfigTypeError(
@@ -225,6 +242,11 @@ class LaunchConfig:
             use_gpu=self.use_gpu,
             allow_oversubscribe=self.allow_oversubscribe,
         )
+
+    @property
+    def grows(self) -> bool:
+        """Whether an attempt below ``num_processes`` grows back when capacity returns."""
+        return self.min_processes is not None and self.grow_after_s is not None
 
     @property
     def smallest_world(self) -> int:
@@ -270,6 +292,7 @@ class CliKind(enum.Enum):
     COUNT = "count"  # --flag N, a whole number >= 0
     POSITIVE_COUNT = "positive count"  # --flag N, a whole number >= 1
     SECONDS = "seconds"  # --flag SECONDS, a positive number
+    SECONDS_OR_NEVER = "seconds or never"  # --flag SECONDS, or --flag never: None
     NUMBER = "number"  # --flag X, a number >= 0
     TEXT = "text"  # --flag VALUE, taken as it is
     CHOICE = "choice"  # --flag NAME, one of CliSpelling.choices
@@ -352,6 +375,11 @@ OPTIONS: tuple[Option, ...] = (
         "elastic runs: a restart after a lost host may start with fewer ranks, down to this many",
         _cli("--min-processes", kind=CliKind.POSITIVE_COUNT, metavar="N"),
         default_text="num_processes (a fixed world)",
+    ),
+    Option(
+        "grow_after_s",
+        "elastic runs: once more ranks have fitted this many seconds in a row, drain and grow",
+        _cli("--grow-after", kind=CliKind.SECONDS_OR_NEVER, metavar="SECONDS|never"),
     ),
     Option(
         "local_mode",

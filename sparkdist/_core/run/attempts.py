@@ -12,6 +12,8 @@ ran on and how it ended) (pure).
   and a task placed there would never answer. Only the failed attempt's executors: one that
   joined later at the same address (the host came back, a new machine took its address) is new
   capacity, and the cluster manager may start one there at once (the target is kept);
+- an attempt that drained to grow (``Attempt.grew``: an elastic run's capacity came back) is
+  restarted at the larger world without using ``max_restarts``, and is no preemption;
 - a preempted attempt (``Attempt.preempted``: a SIGTERM reached a rank or an agent; the ranks
   drained) is restarted without using ``max_restarts``: the cluster took the capacity back,
   the job did nothing wrong. Preemptions are counted apart, and ``PREEMPTIONS_IN_A_ROW`` of
@@ -27,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from sparkdist._core.errors import Attempt, ClusterError, RankFailure, WorkerFailedError
+from sparkdist._core.run.growth import GROW_NOTICE
 from sparkdist._core.run.run_state import RunState
 
 #: A host where this many attempts' root causes struck has its executors given up (and again at
@@ -52,8 +55,9 @@ def start_failures_stop(attempts: Sequence[Attempt]) -> str | None:
 
 
 def failed_attempts(attempts: Sequence[Attempt]) -> int:
-    """How many of ``attempts`` failed: what ``max_restarts`` counts (preemptions are not)."""
-    return sum(1 for a in attempts if not a.preempted)
+    """How many of ``attempts`` failed: what ``max_restarts`` counts (preemptions and grows
+    are not)."""
+    return sum(1 for a in attempts if not a.preempted and not a.grew)
 
 
 def preemption_error(attempts: Sequence[Attempt]) -> ClusterError | None:
@@ -90,14 +94,22 @@ def nodes_to_give_up(
     return nodes
 
 
-def attempt_of(state: RunState, number: int, failure: RankFailure | None = None) -> Attempt:
-    """An attempt for the run's history, from its run state: its nodes' hosts, its root cause,
-    and whether that rank failed before it ever joined (an import error, a bad environment);
-    or, when a preemption notice ended it, why it was preempted (and no root cause)."""
+def attempt_of(
+    state: RunState, number: int, failure: RankFailure | None = None, grow: str | None = None
+) -> Attempt:
+    """An attempt for the run's history, from its run state: its nodes' hosts and world size,
+    its root cause, and whether that rank failed before it ever joined (an import error, a bad
+    environment); or, when a drain ended it, why: a preemption notice (``preempted``), or the
+    driver's own drain to grow (``grow``: that drain's notice; ``grew``)."""
     hosts = tuple(state.node_hosts.get(n, "?") for n in range(state.num_nodes))
+    if state.was_preempted and grow is not None and state.preempted == grow:
+        return Attempt(
+            number, hosts, grew=grow.removeprefix(GROW_NOTICE), world_size=state.world_size
+        )
     if state.was_preempted:
-        return Attempt(number, hosts, preempted=state.preempted)
-    return Attempt(number, hosts, failure, failure is not None and failure.rank not in state.joined)
+        return Attempt(number, hosts, preempted=state.preempted, world_size=state.world_size)
+    before_start = failure is not None and failure.rank not in state.joined
+    return Attempt(number, hosts, failure, before_start, world_size=state.world_size)
 
 
 def final_error(
