@@ -271,8 +271,13 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
         # A local agent that raised said no goodbye and never will.
         failed_here = agents.error is not None and agents.in_process
         expected = 0 if failed_here else state.expected_goodbyes()
+        # A node whose agent ended without error and never said hello refused to start; its
+        # refusal may still be on its way (a local agent returns as soon as it sent it).
+        unheard = state.num_nodes - len(state.node_hosts)
+        refusing = 0 if agents.error is not None or state.detached else unheard
         said_bye = monitor.changed.wait_for(
-            lambda: len(state.done_nodes) >= expected, OUTPUT_DRAIN_S
+            lambda: len(state.done_nodes) >= expected and len(monitor.refusals) >= refusing,
+            OUTPUT_DRAIN_S,
         )
         if not said_bye and agents.error is None:
             warn_output_unconfirmed(state.silent_nodes(), OUTPUT_DRAIN_S)

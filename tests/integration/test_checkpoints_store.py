@@ -13,6 +13,7 @@ import json
 import os
 import socket
 import tempfile
+import time
 
 import pytest
 import torch
@@ -191,6 +192,29 @@ def test_a_store_this_host_cannot_use_is_named_before_the_first_step(
     assert f"checkpoint_dir {s3_url} on node 0 (host " in message
     assert "cannot write there" in message and "fix: give this host access" in message
     assert "not-the-secret" not in message and s3_env.secret_key not in message
+
+
+def test_a_refusal_still_on_its_way_when_the_local_agent_returns_is_waited_for(
+    s3_env, s3_url, monkeypatch
+):
+    # The agent returns as soon as it sent its refusal; the driver's channel thread may handle
+    # the message after the agent's end (under load, CI): the run must still name the store.
+    from sparkdist._engine import supervisor
+    from sparkdist._wire import protocol
+
+    handle = supervisor.RunMonitor._event_of
+
+    def late(self, peer, message):
+        if isinstance(message, protocol.Refused):
+            time.sleep(1.0)
+        return handle(self, peer, message)
+
+    monkeypatch.setattr(supervisor.RunMonitor, "_event_of", late)
+    options = {**s3_env.storage_options(), **QUICK_GIVE_UP}
+    options["endpoint_url"] = f"http://127.0.0.1:{closed_loopback_port()}"
+    distributor = Distributor(1, use_gpu=False, checkpoint_dir=s3_url, storage_options=options)
+    with pytest.raises(ClusterError, match="cannot write there"):
+        distributor.run(never_runs)
 
 
 def upload_then_lose_the_store(server_pid: int):
