@@ -71,7 +71,8 @@ def executors():
 
 
 @pytest.fixture(scope="module")
-def own_application(lab_cluster: LabCluster) -> Iterator[DriverKernel]:
+def own_application(lab_cluster: LabCluster, lab_driver: DriverKernel) -> Iterator[DriverKernel]:
+    # lab_driver: the lab's first application holds one core of each host.
     driver = lab_cluster.start_application(
         {"spark.cores.max": "3"}, executors=3, SPARKDIST_MLFLOW="0"
     )

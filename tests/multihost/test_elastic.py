@@ -5,8 +5,13 @@ back to 3 ranks, its loss curve going on where it stopped through both resizes.
 
 The checkpoints live on a real S3 server (SeaweedFS) on the driver's host, as on a cluster with
 no shared filesystem (issue 33): the hosts each have only their private /tmp, and the keys reach
-the driver and every executor as each host's own environment (the executors' through
-``spark.executorEnv``'s Python side), never through the job.
+the driver and every executor as each host's own environment (``spark.executorEnv``), never
+through the job.
+
+The run has an application of its own, on the core of each host the lab's first application
+leaves: when a host dies, the standalone master has no free core elsewhere to replace the lost
+executor with (it would, on a cluster with room, and the run would grow onto that at once), so
+the capacity comes back only with the host.
 
 The training is world-size free by construction: one fixed global batch per step, split evenly
 over the ranks (12 samples: 4, 6 or 12 per rank), and FSDP averages the gradients, so an
@@ -110,18 +115,30 @@ while not fs.exists({url + "/COMMITTED"!r}):
 # directory's restart across hosts is test_host_faults' (the layout is the same through both).
 # A DDP restart from the store, bit for bit, is tests/integration/test_checkpoints_store.py's.
 @pytest.mark.parametrize("where", ["object store"])
+@pytest.mark.usefixtures("lab_driver")  # the lab's first application: one core of each host
 def test_an_fsdp_run_shrinks_when_a_host_is_lost_and_grows_back_when_it_returns(
-    request: pytest.FixtureRequest,
     lab_cluster: LabCluster,
-    lab_driver: DriverKernel,
+    lab_store: LabS3Server,
     shared: Path,
     where: str,
+) -> None:
+    store = lab_store
+    keys = {f"spark.executorEnv.{name}": value for name, value in store.env().items()}
+    lab_driver = lab_cluster.start_application(
+        {"spark.cores.max": "3", **keys}, executors=3, SPARKDIST_MLFLOW="0", **store.env()
+    )
+    try:
+        _shrink_and_grow(lab_cluster, lab_driver, store, shared, where)
+    finally:
+        lab_cluster.stop_application(lab_driver)
+
+
+def _shrink_and_grow(
+    lab_cluster: LabCluster, lab_driver: DriverKernel, store: LabS3Server, shared: Path, where: str
 ) -> None:
     lab = lab_cluster.lab
     lab_driver.check(TRAIN)
     if where == "object store":  # no directory every host sees holds the checkpoints
-        store: LabS3Server = request.getfixturevalue("lab_store")
-        request.getfixturevalue("keys_on_every_host")
         root, options = (
             f"s3://{store.bucket}/elastic-{time.monotonic_ns()}",
             store.storage_options(),
