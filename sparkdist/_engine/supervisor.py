@@ -271,10 +271,12 @@ def supervise(config: LaunchConfig, agents: RunningAgents, monitor: RunMonitor) 
         # A local agent that raised said no goodbye and never will.
         failed_here = agents.error is not None and agents.in_process
         expected = 0 if failed_here else state.expected_goodbyes()
-        # A node whose agent ended without error and never said hello refused to start; its
-        # refusal may still be on its way (a local agent returns as soon as it sent it).
+        # Agents that ended without error, in a run nothing stopped, where a node never said
+        # hello: that node refused to start, and its refusal may still be on its way (a local
+        # agent returns as soon as it sent it).
         unheard = state.num_nodes - len(state.node_hosts)
-        refusing = 0 if agents.error is not None or state.detached else unheard
+        quiet_end = agents.error is None and not state.detached and state.stop_cause is None
+        refusing = unheard if quiet_end else 0
         said_bye = monitor.changed.wait_for(
             lambda: len(state.done_nodes) >= expected and len(monitor.refusals) >= refusing,
             OUTPUT_DRAIN_S,
