@@ -44,7 +44,7 @@ def fails_on(victim):
     dist.destroy_process_group()
     return socket.gethostname()
 
-def steps_until_cut(shared, victim):
+def steps_until_cut(shared):
     # Every rank says where it runs, then steps until a restart (after the cut) lets it return.
     import json, os, time
     import torch
@@ -136,7 +136,7 @@ def test_a_cut_off_hosts_executor_is_given_up_before_the_restart(
 import threading
 handle = sparkdist.Distributor(3, local_mode=False, use_gpu=False, max_restarts=1,
     min_processes=2, grow_after_s=None, start_timeout_s=30).run_async(
-    steps_until_cut, {str(shared)!r}, "")
+    steps_until_cut, {str(shared)!r})
 ended = {{}}
 def wait_for_it():
     try:
