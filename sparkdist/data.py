@@ -13,6 +13,13 @@ exactly the same number of rows. Every rank knows every rank's count (``rows_per
 rows of each rank (the few excess rows are skipped this epoch), ``"wrap"`` pads every rank to
 ``max(counts)`` by starting over its own rows, ``None`` keeps this rank's rows as they are.
 
+Resuming exactly: a run that restarts, shrinks or grows mid-epoch re-reads its partitions from
+the top with the above. Pass ``spark_dataframe=data.sharded(df, key="id")`` instead and read it
+with ``data.loader(...)``: rows go to fixed shards (a stable hash of the ``key`` column, or of
+the whole row), every epoch walks them in a seeded order, and the loader's position goes into
+each checkpoint, so every row of an epoch is trained on exactly once whatever the world does
+(docs/restarts.md).
+
 Example:
     >>> from sparkdist import data  # doctest: +SKIP
     >>> loader = torch.utils.data.DataLoader(
@@ -28,10 +35,68 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparkdist._core.env import PARTITION_FILE_VAR, ROWS_PER_RANK_VAR
+from sparkdist._core.errors import ConfigError
+from sparkdist._node.rank.arrow_columns import converter as _converter
 
-__all__ = ["PartitionDataset", "partition_dataset", "partition_table", "rows_per_rank"]
+__all__ = [
+    "PartitionDataset",
+    "loader",
+    "partition_dataset",
+    "partition_table",
+    "rows_per_rank",
+    "sharded",
+]
 
 _POLICIES = ("drop", "wrap", None)
+
+
+#: Shards a DataFrame is cut into unless told: many more than ranks, so that whole shards
+#: balance well over any world, few enough that a plan stays small.
+DEFAULT_SHARDS = 64
+
+
+def sharded(
+    frame: Any, *, key: str | None = None, shards: int = DEFAULT_SHARDS, seed: int = 0
+) -> Any:
+    """On the driver: ``frame`` for ``run(..., spark_dataframe=...)``, cut into fixed shards
+    that every attempt resumes from where the last checkpoint left them; read it in the
+    ranks with ``loader``.
+
+    Args:
+        frame: the Spark DataFrame.
+        key: a column that identifies a row (an id): a row's shard and its place in the shard
+            come from a stable hash of it. None: of the whole row (identical rows are then
+            interchangeable).
+        shards: how many shards (1 to 4096); more than the largest world you will run.
+        seed: the orders' seed: each epoch walks the shards, and the rows of each, in an order
+            that depends on the seed and the epoch only, never on the world size.
+
+    Raises:
+        ConfigError: a bad argument, named with what is accepted, before anything runs.
+    """
+    from sparkdist._backends.sharding import ShardedFrame
+
+    if not hasattr(frame, "columns") or not hasattr(frame, "sparkSession"):
+        raise ConfigError(f"sharded() takes a Spark DataFrame; got {type(frame).__name__}")
+    return ShardedFrame(frame, shards, key, seed)
+
+
+def loader(
+    columns: Sequence[str] | None = None, *, batch_size: int, float_dtype: Any = None
+) -> Any:
+    """In a rank: this rank's batches of a ``sharded`` DataFrame, resumable.
+
+    Iterating it gives the rest of the current epoch's batches (a tensor per column, as
+    ``partition_dataset`` gives them; one tensor when one column is asked for), then counts
+    ``loader.epoch`` up: ``while loader.epoch < epochs: for batch in loader: ...``. Every rank
+    takes the same number of batches (about ``batch_size`` rows each; ranks' batches differ by
+    a row or so, and a rank may get an empty last batch when an epoch has fewer rows left
+    than ranks). Its position goes into every checkpoint committed after it is made; load
+    the checkpoint (``runtime.load_checkpoint``) before its first batch.
+    """
+    from sparkdist._node.rank.shard_loader import ShardLoader
+
+    return ShardLoader(columns, batch_size, float_dtype)
 
 
 def _partition_file() -> str:
@@ -158,89 +223,3 @@ class PartitionDataset:
         state = dict(self.__dict__)
         state["_state"] = None  # mappings are per process
         return state
-
-
-def _converter(name: str, arrow_type: Any) -> Any:
-    """A factory (array, float_dtype) -> (row index -> tensor) for one column's type."""
-    import pyarrow as pa
-
-    if (
-        pa.types.is_integer(arrow_type)
-        or pa.types.is_floating(arrow_type)
-        or (pa.types.is_boolean(arrow_type))
-    ):
-        return _scalars
-    if (
-        pa.types.is_list(arrow_type)
-        or pa.types.is_large_list(arrow_type)
-        or pa.types.is_fixed_size_list(arrow_type)
-    ):
-        inner = arrow_type.value_type
-        if pa.types.is_integer(inner) or pa.types.is_floating(inner):
-            return _arrays
-    if pa.types.is_struct(arrow_type) and {f.name for f in arrow_type} >= {
-        "type",
-        "size",
-        "indices",
-        "values",
-    }:
-        return _ml_vectors
-    raise ValueError(
-        f"column {name!r} has type {arrow_type}, which cannot become a tensor; select "
-        "numeric, array or ML vector columns (convert or drop this one with Spark first)"
-    )
-
-
-def _scalars(array: Any, float_dtype: Any) -> Any:
-    import numpy as np
-    import torch
-
-    values = array.to_numpy(zero_copy_only=False)
-    floating = np.issubdtype(values.dtype, np.floating)
-
-    def get(i: int) -> Any:
-        tensor = torch.as_tensor(values[i])
-        return tensor.to(float_dtype) if floating else tensor
-
-    return get
-
-
-def _arrays(array: Any, float_dtype: Any) -> Any:
-    import numpy as np
-    import torch
-
-    offsets = array.offsets.to_numpy() if hasattr(array, "offsets") else None
-    flat = array.flatten().to_numpy(zero_copy_only=False)  # this slice's values only
-    width = getattr(array.type, "list_size", None)
-    floating = np.issubdtype(flat.dtype, np.floating)
-
-    def get(i: int) -> Any:
-        if offsets is None:  # fixed-size lists: the type gives the width
-            assert width is not None
-            piece = flat[i * width : (i + 1) * width]
-        else:
-            piece = flat[offsets[i] - offsets[0] : offsets[i + 1] - offsets[0]]
-        tensor = torch.as_tensor(np.array(piece))
-        return tensor.to(float_dtype) if floating else tensor
-
-    return get
-
-
-def _ml_vectors(array: Any, float_dtype: Any) -> Any:
-    import torch
-
-    kinds = array.field("type").to_pylist()
-    sizes = array.field("size").to_pylist()
-    indices = array.field("indices")
-    values = array.field("values")
-
-    def get(i: int) -> Any:
-        vector_values = torch.tensor(values[i].as_py() or [], dtype=float_dtype)
-        if kinds[i] == 1:  # dense
-            return vector_values
-        dense = torch.zeros(int(sizes[i]), dtype=float_dtype)
-        positions = torch.tensor(indices[i].as_py() or [], dtype=torch.long)
-        dense[positions] = vector_values
-        return dense
-
-    return get

@@ -107,11 +107,11 @@ class Backend(Protocol):
         """Read the cluster and cut the world into nodes; refuse what cannot run."""
         ...
 
-    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+    def place_again(self, config: LaunchConfig, lost_nodes: Collection[int]) -> Placement:
         """The placement of a restart: the whole world again, or, for an elastic run
-        (``min_processes``), as many ranks as the capacity left holds, the slots of the hosts
-        the last attempt lost left out; waits for at least ``min_processes`` up to
-        ``start_timeout_s``."""
+        (``min_processes``), as many ranks as the capacity left holds, the slots of the
+        executors of the nodes the last attempt lost left out; waits for at least
+        ``min_processes`` up to ``start_timeout_s``."""
         ...
 
     def requirements(

@@ -55,7 +55,7 @@ class LocalBackend:
                 raise ClusterError(problem)
         return placement
 
-    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+    def place_again(self, config: LaunchConfig, lost_nodes: Collection[int]) -> Placement:
         """One machine loses no capacity to a failed attempt: the same world again."""
         return self.place(config)
 

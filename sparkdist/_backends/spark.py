@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from sparkdist._backends import capacity, spark_driver
+from sparkdist._backends import capacity, sharding, spark_driver
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.decommission import DECOMMISSION_KEY, DecommissionWatch
 from sparkdist._backends.stage import BarrierStage
@@ -29,6 +29,7 @@ from sparkdist._core.launch.placement import (
     shrink_to_slots,
 )
 from sparkdist._core.launch.plan import BackendKind
+from sparkdist._core.object_store import encode_options
 from sparkdist._core.versions import Requirement
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire.payload import loads
@@ -61,8 +62,10 @@ class SparkBackend:
         self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
         self._watches_decommission = False  # spark.decommission.enabled, read by ``place``
         self._last_stage: BarrierStage | None = None  # the attempt ``give_up_nodes`` is about
+        self._checkpoints: tuple[str | None, str] = (None, "")  # where a data position is kept
 
     def place(self, config: LaunchConfig) -> Placement:
+        self._checkpoints = (config.checkpoint_dir, encode_options(config.storage_options))
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key, DECOMMISSION_KEY))
         for warning in check_cluster_conf(conf, self._ignore_ssl_key):
             _warn_once(warning)
@@ -82,7 +85,7 @@ class SparkBackend:
         )
         return _shrunk(config, placement, found)
 
-    def place_again(self, config: LaunchConfig, lost_hosts: Collection[str]) -> Placement:
+    def place_again(self, config: LaunchConfig, lost_nodes: Collection[int]) -> Placement:
         conf = spark_driver.spark_conf(self.session, (self._ignore_ssl_key,))
         full = place_on_cluster(config, conf)
         if config.min_processes is None or self.kind is BackendKind.CONNECT:
@@ -91,7 +94,7 @@ class SparkBackend:
         found = capacity.wait_for_capacity(
             self.session,
             fewest_tasks=_fewest_tasks(config, full),
-            lost_hosts=lost_hosts,
+            lost_executors=self._executors_of(lost_nodes),
             task_cpus=int(task_cpus) if task_cpus.isdigit() else 1,
             wait_s=config.start_timeout_s,
         )
@@ -115,8 +118,13 @@ class SparkBackend:
         on_done: Callable[[], None],
         on_decommission: Callable[[str], None],
     ) -> RunningAgents:
+        position = (
+            sharding.data_position(*self._checkpoints)
+            if isinstance(self.dataframe, sharding.ShardedFrame)
+            else (None, None)
+        )
         stage = BarrierStage(
-            self.session, template, placement.num_tasks, placement.use_gpu, self.dataframe
+            self.session, template, placement.num_tasks, placement.use_gpu, self.dataframe, position
         )
         self._last_stage = stage
         watch = (
@@ -148,14 +156,18 @@ class SparkBackend:
         placement = shrink_to_slots(config, place_on_cluster(config, conf), counted[0])
         return 0 if placement is None else placement.world_size
 
+    def _executors_of(self, nodes: Collection[int]) -> set[str]:
+        """The executors the last attempt's ``nodes`` ran on (as far as Spark says)."""
+        if self._last_stage is None or not nodes:
+            return set()
+        ran_on = spark_driver.task_executors(self.session, self._last_stage.job_group)
+        return {ran_on[n] for n in nodes if n in ran_on}
+
     def give_up_nodes(self, nodes: set[int]) -> None:
         if self._last_stage is None:
             return
         try:
-            ran_on = spark_driver.task_executors(self.session, self._last_stage.job_group)
-            given_up = spark_driver.give_up_executors(
-                self.session, {ran_on[n] for n in nodes if n in ran_on}
-            )
+            given_up = spark_driver.give_up_executors(self.session, self._executors_of(nodes))
         except Exception as exc:  # noqa: BLE001 - a developer API: the run goes on without it
             logger.warning(
                 "sparkdist: could not give up the executors of node(s) %s: %s", nodes, exc

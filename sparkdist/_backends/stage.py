@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from sparkdist._backends import sharding
 from sparkdist._backends.job_file import (
     drop_job_copies,
     ended_job_names,
@@ -27,6 +28,7 @@ from sparkdist._backends.job_file import (
     holding_job_copy,
 )
 from sparkdist._backends.session import is_connect
+from sparkdist._backends.sharding import ShardedFrame
 from sparkdist._core.addresses import task_host
 from sparkdist._core.errors import ClusterError, ConfigError
 from sparkdist._core.launch.placement import cuda_visible_devices
@@ -51,8 +53,10 @@ class BarrierStage:
         num_tasks: int,
         use_gpu: bool,
         dataframe: Any | None = None,
+        data_position: tuple[Any, int | None] = (None, None),
     ) -> None:
         self._session = session
+        self._data_position = data_position  # a ShardedFrame's: where the epoch stands
         self._template = template
         self._num_tasks = num_tasks
         self._use_gpu = use_gpu
@@ -96,6 +100,16 @@ class BarrierStage:
     def _collect_arrow(self, frame: Any) -> list[bytes]:
         template, use_gpu, ended = self._template, self._use_gpu, self._ended_jobs
         has_data = self._dataframe is not None  # a plain value: the closure must not hold self
+        if isinstance(frame, ShardedFrame):
+            frame, plan = sharding.route(
+                frame, self._num_tasks, template.processes_per_node, self._data_position
+            )
+            template = dataclasses.replace(template, data_plan_json=plan.to_json())
+        elif has_data:
+            # Always repartition (round-robin, in the same job): the number of partitions the
+            # optimizer ends up with can differ from what df.rdd reports, and the barrier
+            # stage needs exactly one per task.
+            frame = frame.repartition(self._num_tasks)
         if has_data:
             # Spark's own schema (ML vectors stay vectors): pyspark's loader reads it per rank.
             template = dataclasses.replace(template, dataframe_schema_json=frame.schema.json())
@@ -110,13 +124,8 @@ class BarrierStage:
             for outcome in _barrier_task(template, use_gpu, ended, data):
                 yield pa.RecordBatch.from_pydict({"outcome": [outcome]})
 
-        if self._dataframe is not None:
-            # Always repartition (round-robin, in the same job): the number of partitions the
-            # optimizer ends up with can differ from what df.rdd reports, and the barrier
-            # stage needs exactly one per task.
-            frame = frame.repartition(self._num_tasks)
         rows = frame.mapInArrow(arrow_task, "outcome binary", barrier=True).collect()
-        if not rows and self._dataframe is not None and self._dataframe.isEmpty():
+        if not rows and has_data and frame.isEmpty():
             # Spark 3.5's adaptive execution drops the stage whose input turned out empty
             # (AQEPropagateEmptyRelation), barrier or not: no task ran, no agent could say why.
             raise ConfigError(NO_ROWS)

@@ -55,6 +55,23 @@ class Checkpoint:
 Checkpoint.__module__ = "sparkdist.runtime"
 
 
+#: What a rank adds to each commit marker it writes, by entry name: a function called when the
+#: save is asked for (the data loader's position, ``_node.rank.shard_loader``).
+_marker_entries: dict[str, Callable[[], Any]] = {}
+#: The step this process last loaded a checkpoint of (None: none yet).
+_loaded: dict[str, int] = {}
+
+
+def add_marker_entry(name: str, entry: Callable[[], Any]) -> None:
+    """Put ``entry()`` (JSON) into every commit marker saved from now on, as ``name``."""
+    _marker_entries[name] = entry
+
+
+def loaded_step() -> int | None:
+    """The step of the checkpoint this process last loaded, or None."""
+    return _loaded.get("step")
+
+
 def checkpoint_dir() -> str | None:
     """The run's checkpoint directory (``checkpoint_dir=`` of the launcher), or None."""
     return os.environ.get(CHECKPOINT_DIR_VAR) or None
@@ -95,6 +112,7 @@ def save(
         return final  # ranks without a process group: the main process saves for them all
     notes = layout_notes(state) if checkpoint_ranks.is_coordinator() else {}
     world_size = _world_size()
+    entries = {name: entry() for name, entry in _marker_entries.items()}  # as of this call
 
     def commit(written_to: str) -> None:
         marker = {
@@ -103,6 +121,7 @@ def save(
             "world_size": world_size,
             "saved_at": round(time.time(), 3),
             "keys": notes,
+            **entries,
         }
         checkpoint_layout.commit(directory, written_to, final, marker)
         if keep_last is not None:
@@ -160,7 +179,10 @@ def load(
             map_location=map_location,
             weights_only=weights_only,
         )
-        return None if loaded is None else Checkpoint(step=loaded[0], state=first, path=loaded[1])
+        if loaded is None:
+            return None
+        _loaded["step"] = loaded[0]
+        return Checkpoint(step=loaded[0], state=first, path=loaded[1])
     into, map_location = _into_and_location(first, map_location)
     checkpoint_io.wait_for_pending_saves()
     directory = _require_checkpoint_dir()
@@ -184,6 +206,7 @@ def load(
         except Unreadable as exc:
             reason = str(exc)
         else:
+            _loaded["step"] = step
             return Checkpoint(step=step, state=state, path=candidate.path)
         logger.warning(
             "sparkdist: checkpoint %s cannot be read (%s); trying the checkpoint before it",

@@ -129,11 +129,11 @@ class Launch:
         ``self._attempt`` as soon as they are started (so a cancel can reach them).
 
         A restart is placed again: an elastic run (``min_processes``) goes on with the
-        capacity the cluster has left, the hosts the last attempt lost left out."""
+        capacity the cluster has left, the executors the last attempt lost left out."""
         placement = self.placement
         previous = self._attempt
         if restart_count and previous is not None:
-            placement = self._backend.place_again(self.config, previous.lost_hosts())
+            placement = self._backend.place_again(self.config, previous.lost_nodes())
         deadlines = Deadlines(
             self.config.start_timeout_s,
             self.config.timeout_s,
@@ -354,10 +354,9 @@ class _Attempt:
         self.ended = threading.Event()  # set by close(): the growth watch stops
         self.grow_notice: str | None = None  # the drain's why, when it drained to grow
 
-    def lost_hosts(self) -> set[str]:
-        """The hosts of the nodes this attempt lost contact with (killed or cut off)."""
-        state = self.monitor.state
-        return {state.node_hosts[n] for n in state.lost if n in state.node_hosts}
+    def lost_nodes(self) -> set[int]:
+        """The nodes this attempt lost contact with (killed or cut off)."""
+        return set(self.monitor.state.lost)
 
     def drain(self, why: str) -> None:  # every rank, as for a preemption notice of ``why``
         self.monitor.preempt(why)

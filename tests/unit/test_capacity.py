@@ -15,9 +15,10 @@ from sparkdist._backends import capacity
 class Executor:
     host: str
     cores: int = 1
+    name: str = ""  # the id's distinguishing part, where a host has several
 
     def id(self) -> str:
-        return f"exec-{self.host}"
+        return f"exec-{self.host}{self.name}"
 
     def hostPort(self) -> str:  # noqa: N802 - Spark's name
         return f"{self.host}:40000"
@@ -106,7 +107,7 @@ A, B, C = Executor("10.0.0.1"), Executor("10.0.0.2"), Executor("10.0.0.3")
 def test_a_killed_hosts_executor_is_waited_out_then_the_rest_counted() -> None:
     spark = FakeSpark([[A, B, C], [A, B, C], [A, B]])  # Spark drops C on the third look
     found = capacity.wait_for_capacity(
-        spark, fewest_tasks=2, lost_hosts={C.host}, task_cpus=1, wait_s=60, clock=spark.clock
+        spark, fewest_tasks=2, lost_executors={C.id()}, task_cpus=1, wait_s=60, clock=spark.clock
     )
     assert found == 2
 
@@ -114,7 +115,7 @@ def test_a_killed_hosts_executor_is_waited_out_then_the_rest_counted() -> None:
 def test_a_cut_off_hosts_executor_still_listed_is_subtracted_after_the_settle() -> None:
     spark = FakeSpark([[A, B, C]])  # a cut-off host: Spark lists it for minutes
     found = capacity.wait_for_capacity(
-        spark, fewest_tasks=2, lost_hosts={C.host}, task_cpus=1, wait_s=60, clock=spark.clock
+        spark, fewest_tasks=2, lost_executors={C.id()}, task_cpus=1, wait_s=60, clock=spark.clock
     )
     assert found == 2
     assert spark.clock_s >= capacity.LOST_EXECUTORS_SETTLE_S  # it gave Spark the settle first
@@ -125,7 +126,7 @@ def test_a_given_up_executor_still_listed_is_not_taken_out_twice() -> None:
     # its end is confirmed (never, behind a cut), the scheduler offers it nothing already.
     spark = FakeSpark([[A, B, C]], given_up={C.id()})
     found = capacity.wait_for_capacity(
-        spark, fewest_tasks=2, lost_hosts={C.host}, task_cpus=1, wait_s=60, clock=spark.clock
+        spark, fewest_tasks=2, lost_executors={C.id()}, task_cpus=1, wait_s=60, clock=spark.clock
     )
     assert found == 2
     assert spark.clock_s < capacity.LOST_EXECUTORS_SETTLE_S  # nothing to wait out
@@ -134,7 +135,7 @@ def test_a_given_up_executor_still_listed_is_not_taken_out_twice() -> None:
 def test_below_min_processes_it_waits_for_capacity_that_comes() -> None:
     spark = FakeSpark([[A], [A], [A], [A, B]])
     found = capacity.wait_for_capacity(
-        spark, fewest_tasks=2, lost_hosts=set(), task_cpus=1, wait_s=60, clock=spark.clock
+        spark, fewest_tasks=2, lost_executors=set(), task_cpus=1, wait_s=60, clock=spark.clock
     )
     assert found == 2
 
@@ -143,16 +144,32 @@ def test_below_min_processes_after_start_timeout_it_fails_saying_what_it_found()
     spark = FakeSpark([[A, C]])
     with pytest.raises(ClusterError) as info:
         capacity.wait_for_capacity(
-            spark, fewest_tasks=2, lost_hosts={C.host}, task_cpus=1, wait_s=20, clock=spark.clock
+            spark,
+            fewest_tasks=2,
+            lost_executors={C.id()},
+            task_cpus=1,
+            wait_s=20,
+            clock=spark.clock,
         )
     message = str(info.value)
     assert "needs at least 2 barrier task slot(s) (min_processes) but found 1" in message
-    assert "leaving out the lost host(s) 10.0.0.3" in message
+    assert "leaving out the lost executor(s) exec-10.0.0.3" in message
     assert "start_timeout_s" in message and "lower min_processes" in message
 
 
 def test_cores_count_in_slots_of_task_cpus() -> None:
-    by_host = capacity.executor_slots_by_host(
+    by_executor = capacity.executor_slots(
         FakeSpark([[Executor("a", 4), Executor("b", 3)]]), task_cpus=2
     )
-    assert by_host == {"a": 2, "b": 1}
+    assert by_executor == {"exec-a": 2, "exec-b": 1}
+
+
+def test_a_lost_executor_leaves_its_hosts_other_executors_counted() -> None:
+    # YARN, local-cluster: two executors on one host, one of them lost (and still listed).
+    lost, sibling = Executor("10.0.0.1"), Executor("10.0.0.1")
+    lost.name, sibling.name = "1", "2"
+    spark = FakeSpark([[lost, sibling, B]])
+    found = capacity.wait_for_capacity(
+        spark, fewest_tasks=1, lost_executors={lost.id()}, task_cpus=1, wait_s=60, clock=spark.clock
+    )
+    assert found == 2  # before: the host's every slot left out (1)

@@ -293,13 +293,15 @@ def test_an_elastic_world_is_the_most_whole_tasks_the_slots_hold_within_the_boun
 
 
 @pytest.mark.parametrize(
-    ("total", "by_host", "lost", "expected"),
+    ("total", "by_executor", "lost", "expected"),
     [
-        (3, {"10.0.0.1": 1, "10.0.0.2": 1, "10.0.0.3": 1}, {"10.0.0.3"}, 2),  # still listed
-        (2, {"10.0.0.1": 1, "10.0.0.2": 1}, {"10.0.0.3"}, 2),  # Spark dropped it already
+        (3, {"1": 1, "2": 1, "3": 1}, {"3"}, 2),  # still listed
+        (2, {"1": 1, "2": 1}, {"3"}, 2),  # Spark dropped it already
         (8, {"a": 4, "b": 4}, {"a", "b"}, 0),
         (5, None, {"a"}, 5),  # a Spark that lists no executors: its own count
     ],
 )
-def test_a_restart_leaves_out_the_slots_of_the_hosts_it_lost(total, by_host, lost, expected):
-    assert usable_slots(total, by_host, lost) == expected
+def test_a_restart_leaves_out_the_slots_of_the_executors_it_lost(
+    total, by_executor, lost, expected
+):
+    assert usable_slots(total, by_executor, lost) == expected

@@ -214,7 +214,7 @@ class Agent:
             return
         paths = {rank: partition_path(self.run_dir, rank) for rank in self.workers}
         try:
-            counts = write_partition(batches, paths)
+            counts = write_partition(batches, paths, self.spec)
         except BaseException as exc:
             self.events.put(("abort", f"reading the DataFrame failed: {exc!r}"))
             raise

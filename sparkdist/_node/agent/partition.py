@@ -10,6 +10,10 @@ file on disk serves both readers of a rank: ``sparkdist.data`` memory-maps it an
 (``SPARK_PARTITION_ARROW_DATA_FILE`` names it; ``SPARK_DATAFRAME_SCHEMA_FILE`` names the
 DataFrame's Spark schema as JSON, written by ``write_schema``).
 
+A sharded DataFrame (``sparkdist.data.sharded``) is written by shard instead: each local rank's
+file gets every row of the shards its slot holds (``write_sharded_partition``), with the
+attempt's plan and the rank's slot in the file's schema metadata, where its loader reads them.
+
 Non-goals: reading (``sparkdist.data``), deciding row policies (the ranks do, knowing every
 rank's count).
 """
@@ -19,6 +23,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from sparkdist._core.data_plan import DataPlan
+from sparkdist._node.agent.spec import AgentSpec
+
+#: Schema metadata of a sharded rank file: the attempt's plan (JSON) and the rank's slot in it.
+PLAN_METADATA, SLOT_METADATA = b"sparkdist.data_plan", b"sparkdist.data_slot"
+SHARD_COLUMN = "_sparkdist_shard"  # ``_backends.sharding`` adds it
 
 
 def partition_path(run_dir: str, rank: int) -> str:
@@ -40,12 +51,18 @@ def write_schema(run_dir: str, schema_json: str) -> str:
     return path
 
 
-def write_partition(batches: Iterable[Any], paths: Mapping[int, str]) -> dict[int, int]:
-    """Stream ``batches`` (pyarrow RecordBatches) into one IPC stream file per rank in ``paths``.
+def write_partition(
+    batches: Iterable[Any], paths: Mapping[int, str], spec: AgentSpec | None = None
+) -> dict[int, int]:
+    """Stream ``batches`` (pyarrow RecordBatches) into one IPC stream file per rank in ``paths``:
+    near-equal contiguous slices, or by shard when ``spec`` carries a data plan.
 
     Returns:
         Rows written per rank.
     """
+    if spec is not None and spec.data_plan_json is not None:
+        first_slot = spec.node_rank * spec.processes_per_node
+        return write_sharded_partition(batches, paths, spec.data_plan_json, first_slot)
     import pyarrow as pa
 
     ranks = sorted(paths)
@@ -69,6 +86,53 @@ def write_partition(batches: Iterable[Any], paths: Mapping[int, str]) -> dict[in
             for rank in ranks:
                 with pa.OSFile(paths[rank], "wb") as sink, pa.ipc.new_stream(sink, pa.schema([])):
                     pass
+    finally:
+        for writer in writers.values():
+            writer.close()
+        for sink in sinks:
+            sink.close()
+    return counts
+
+
+def write_sharded_partition(
+    batches: Iterable[Any], paths: Mapping[int, str], plan_json: str, first_slot: int
+) -> dict[int, int]:
+    """Stream ``batches`` into one file per rank in ``paths``: the rows of the shards its slot
+    holds (the ranks in order take slots ``first_slot``, ``first_slot + 1``...). A row's shard
+    may be held by several of them: it is written to each.
+
+    Returns:
+        Rows written per rank.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    plan = DataPlan.from_json(plan_json)
+    ranks = sorted(paths)
+    slots = {rank: first_slot + i for i, rank in enumerate(ranks)}
+    wanted = {rank: pa.array(sorted(plan.shards_of(slots[rank])), pa.int32()) for rank in ranks}
+    counts = {rank: 0 for rank in ranks}
+    writers: dict[int, Any] = {}
+    sinks: list[Any] = []
+
+    def open_all(schema: Any) -> None:
+        for rank in ranks:
+            meta = {PLAN_METADATA: plan_json.encode(), SLOT_METADATA: str(slots[rank]).encode()}
+            sink = pa.OSFile(paths[rank], "wb")
+            sinks.append(sink)
+            writers[rank] = pa.ipc.new_stream(sink, schema.with_metadata(meta))
+
+    try:
+        for batch in batches:
+            if not writers:
+                open_all(batch.schema)
+            for rank in ranks:
+                mine = batch.filter(pc.is_in(batch.column(SHARD_COLUMN), value_set=wanted[rank]))
+                if mine.num_rows:
+                    writers[rank].write_batch(mine.replace_schema_metadata(None))
+                    counts[rank] += mine.num_rows
+        if not writers:  # no rows here (a world larger than the shards): readable, empty
+            open_all(pa.schema([pa.field(SHARD_COLUMN, pa.int32())]))
     finally:
         for writer in writers.values():
             writer.close()

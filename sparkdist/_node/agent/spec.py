@@ -61,6 +61,8 @@ class AgentSpec:
         system_metrics_interval_s: seconds between two system samples (``sampler``); 0: none.
         dataframe_schema_json: with DataFrame input, its Spark schema as JSON, written into the
             run directory for pyspark's partition loader (``SPARK_DATAFRAME_SCHEMA_FILE``).
+        data_plan_json: with a sharded DataFrame (``sparkdist.data.sharded``), the attempt's
+            ``DataPlan``: which shards each rank's file holds, written into those files.
     """
 
     run_id: str
@@ -85,6 +87,7 @@ class AgentSpec:
     code_zip: bytes | None = None
     job_file: str | None = None
     dataframe_schema_json: str | None = None
+    data_plan_json: str | None = None
     system_metrics_interval_s: float = 0.0
     task_hosts: tuple[str, ...] = ()
 
