@@ -182,3 +182,37 @@ def test_pysparks_private_train_on_dataframe_works(spark_local):
         my_ids, spark_local.range(100)
     )
     assert len(value["ids"]) == value["counts"][0]
+
+
+def two_epochs_of_ids():
+    import torch.distributed as dist
+
+    from sparkdist import data
+
+    dist.init_process_group("gloo")
+    loader = data.loader(["id"], batch_size=4)
+    epochs: list[list[int]] = [[], []]
+    steps = [0, 0]
+    while loader.epoch < 2:
+        epoch = loader.epoch
+        for ids in loader:
+            epochs[epoch].extend(ids.tolist())
+            steps[epoch] += 1
+    dist.destroy_process_group()
+    return {"epochs": epochs, "steps": steps}
+
+
+def test_a_sharded_dataframe_gives_every_row_once_per_epoch_in_lockstep(spark_local):
+    from sparkdist import data
+
+    df = spark_local.range(50)
+    result = Distributor(2, local_mode=False, use_gpu=False).run_all(
+        two_epochs_of_ids, spark_dataframe=data.sharded(df, key="id", shards=6, seed=3)
+    )
+    first, second = result.values
+    assert first["steps"] == second["steps"]  # the same number of batches on every rank
+    for epoch in (0, 1):
+        assert sorted(first["epochs"][epoch] + second["epochs"][epoch]) == list(range(50))
+    # A new order each epoch (the seed and the epoch decide it, not the world).
+    assert first["epochs"][0] + second["epochs"][0] != first["epochs"][1] + second["epochs"][1]
+    assert not run_processes()
