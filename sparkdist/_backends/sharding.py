@@ -71,7 +71,7 @@ def data_position(checkpoint_dir: str | None, options: str | None) -> tuple[Any,
         newest = next((c for c in found if not c.legacy), None)
         if newest is None:
             return None, None
-        return read_marker(newest).get(MARKER_KEY), newest.step
+        return read_marker(newest, options).get(MARKER_KEY), newest.step
     except Exception as exc:  # noqa: BLE001 - any store error: the ranks' check says the rest
         logger.warning("sparkdist: the driver cannot read %s (%s)", checkpoint_dir, exc)
         return None, None

@@ -274,9 +274,10 @@ def newest_step(directory: str, options: str | None = None) -> int | None:
     return found[0].step if found else None
 
 
-def read_marker(candidate: Candidate) -> dict[str, Any]:
-    """The step directory's commit marker, checked (``Unreadable`` says what is wrong)."""
-    storage = storage_for(candidate.path)
+def read_marker(candidate: Candidate, options: str | None = None) -> dict[str, Any]:
+    """The step directory's commit marker, checked (``Unreadable`` says what is wrong).
+    ``options``: as for ``candidates`` (the driver has no ``SPARKDIST_STORAGE_OPTIONS``)."""
+    storage = storage_for(candidate.path, options)
     data = storage.read_bytes(storage.join(candidate.path, MARKER))
     try:
         marker = json.loads(data)

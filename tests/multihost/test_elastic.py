@@ -13,6 +13,10 @@ leaves: when a host dies, the standalone master has no free core elsewhere to re
 executor with (it would, on a cluster with room, and the run would grow onto that at once), so
 the capacity comes back only with the host.
 
+The run also reads a sharded DataFrame (``sparkdist.data.sharded``), one row a step per rank,
+and notes which rows each step took: over the kill, the shrink and the grow, the steps the run
+kept took every row of the epoch once.
+
 The training is world-size free by construction: one fixed global batch per step, split evenly
 over the ranks (12 samples: 4, 6 or 12 per rank), and FSDP averages the gradients, so an
 uninterrupted run at any world size walks the same curve (up to float summation order). That
@@ -33,6 +37,8 @@ from tests._helpers.s3_server import LabS3Server
 pytestmark = [pytest.mark.multihost, pytest.mark.spark, pytest.mark.timeout(400)]
 
 STEPS = 40
+#: Rows of the DataFrame the run reads (one a step per rank): more than 40 steps take.
+ROWS = 150
 #: Seconds a step takes on the full world, and while the run is shrunk (long enough for the
 #: lost host to come back and the run to grow before it ends).
 PAUSE_S, SHRUNK_PAUSE_S = 0.3, 1.0
@@ -40,13 +46,14 @@ PAUSE_S, SHRUNK_PAUSE_S = 0.3, 1.0
 TRAIN = """
 import json, os, socket, threading, time
 import sparkdist
+import sparkdist.data
 
-def train(steps, pause, curve_dir, shrunk_pause=None):
+def train(steps, pause, curve_dir, shrunk_pause=None, with_rows=False):
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
-    from sparkdist import runtime
+    from sparkdist import data, runtime
 
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -60,6 +67,7 @@ def train(steps, pause, curve_dir, shrunk_pause=None):
     start, resumed_from = 0, None
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
+    rows = data.loader(["id"], batch_size=1) if with_rows else None  # before the load
     found = runtime.load_checkpoint(into=state)
     if found is not None:
         set_state_dict(model, optimizer, model_state_dict=state["model"],
@@ -69,7 +77,25 @@ def train(steps, pause, curve_dir, shrunk_pause=None):
     inputs = torch.randn(steps, 12, 8, generator=data)
     targets = inputs.sin().sum(dim=-1, keepdim=True)
     curve = []
+    attempt = runtime.restart_count()
+    batches = iter(rows) if rows is not None else None
+
+    def note_rows(step):  # the DataFrame rows this rank takes at this step (not trained on)
+        nonlocal batches
+        while True:
+            try:
+                epoch, ids = rows.epoch, next(batches).tolist()
+                break
+            except StopIteration:
+                batches = iter(rows)
+        path = os.path.join(curve_dir, f"rows-{attempt}-{step}-{rank}")
+        with open(path + ".tmp", "w") as f:
+            json.dump([world, epoch, ids], f)
+        os.replace(path + ".tmp", path)
+
     for step in range(start, steps):
+        if rows is not None:
+            note_rows(step)
         x, y = inputs[step].chunk(world)[rank], targets[step].chunk(world)[rank]
         loss = (model(x) - y).pow(2).mean()
         optimizer.zero_grad()
@@ -89,6 +115,11 @@ def train(steps, pause, curve_dir, shrunk_pause=None):
             break
         small = shrunk_pause is not None and world < runtime.requested_world_size()
         time.sleep(shrunk_pause if small else pause)
+    else:  # the run's end: the rest of the epoch's rows, noted without training
+        extra = steps
+        while rows is not None and rows.epoch == 0:
+            note_rows(extra)
+            extra += 1
     dist.destroy_process_group()
     return {"world": world, "requested": runtime.requested_world_size(),
             "resumed_from": resumed_from, "curve": curve, "host": socket.gethostname()}
@@ -158,10 +189,13 @@ result = sparkdist.Distributor(2, local_mode=False, use_gpu=False, mode="fsdp",
     curve.mkdir()
     lab_driver.check(
         f"""
+from pyspark.sql import SparkSession
+frame = SparkSession.getActiveSession().range({ROWS})
 handle = sparkdist.Distributor(3, min_processes=2, grow_after_s=2, local_mode=False,
     use_gpu=False, mode="fsdp", max_restarts=1, checkpoint_dir={checkpoints!r},
     storage_options={options!r}).run_async(
-    train, {STEPS}, {PAUSE_S}, {str(curve)!r}, {SHRUNK_PAUSE_S})
+    train, {STEPS}, {PAUSE_S}, {str(curve)!r}, {SHRUNK_PAUSE_S}, True,
+    spark_dataframe=sparkdist.data.sharded(frame, key="id", shards=12, seed=1))
 ended = {{}}
 def wait_for_it():
     try:
@@ -218,6 +252,9 @@ threading.Thread(target=wait_for_it, daemon=True).start()
             assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (step, loss)
         for step, loss in resumed["curve"]:
             assert loss == pytest.approx(expected[step], rel=1e-4, abs=1e-6), (step, loss)
+        # No row lost or taken twice over the kill, the shrink and the grow: the rows each
+        # step took, as the last attempt that ran the step took them, are every row once.
+        _check_every_row_once(curve)
         if where == "object store":  # the URL never became a local folder on any host
             for host in lab_cluster.workers:
                 assert "s3:" not in (lab.list_dir(host, "/tmp") or []), host
@@ -228,3 +265,20 @@ threading.Thread(target=wait_for_it, daemon=True).start()
 
 def _read(path: Path) -> list:
     return json.loads(path.read_text())  # type: ignore[no-any-return]
+
+
+def _check_every_row_once(curve: Path) -> None:
+    latest: dict[int, int] = {}  # step -> the last attempt that ran it
+    notes = []
+    for path in curve.glob("rows-*[0-9]"):
+        attempt, step, rank = (int(part) for part in path.name.split("-")[1:])
+        latest[step] = max(latest.get(step, -1), attempt)
+        notes.append((attempt, step, rank, _read(path)))
+    taken: list[int] = []
+    worlds = []
+    for attempt, step, _, (world, epoch, ids) in sorted(notes):
+        if attempt == latest[step] and epoch == 0:
+            taken.extend(ids)
+            worlds.append(world)
+    assert sorted(taken) == list(range(ROWS)), sorted(taken)
+    assert {2, 3} <= set(worlds)  # the epoch was read through the shrink and the grow
