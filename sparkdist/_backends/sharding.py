@@ -62,8 +62,9 @@ class ShardedFrame:
 
 def data_position(checkpoint_dir: str | None, options: str | None) -> tuple[Any, int | None]:
     """The data position in the newest committed checkpoint's marker, and its step; (None,
-    None) without one. A checkpoint this driver cannot read counts as none: the ranks then
-    refuse to train from a checkpoint whose position they were not given."""
+    None) without one. A checkpoint this driver cannot read, or one saved without a position
+    (before the loader was made), counts as none: the ranks then refuse to train from a
+    checkpoint whose position they were not given, rather than read the epoch again."""
     if checkpoint_dir is None:
         return None, None
     try:
@@ -71,7 +72,8 @@ def data_position(checkpoint_dir: str | None, options: str | None) -> tuple[Any,
         newest = next((c for c in found if not c.legacy), None)
         if newest is None:
             return None, None
-        return read_marker(newest, options).get(MARKER_KEY), newest.step
+        position = read_marker(newest, options).get(MARKER_KEY)
+        return (None, None) if position is None else (position, newest.step)
     except Exception as exc:  # noqa: BLE001 - any store error: the ranks' check says the rest
         logger.warning("sparkdist: the driver cannot read %s (%s)", checkpoint_dir, exc)
         return None, None

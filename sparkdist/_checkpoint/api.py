@@ -101,10 +101,11 @@ def save(
             "to keep them all"
         )
     directory = _require_checkpoint_dir()  # before the state: this one imports nothing
+    entries = {name: entry() for name, entry in _marker_entries.items()}  # as of this call
     found = checkpoint_deepspeed.find_engine(state)
     if found is not None:
         return checkpoint_deepspeed.save(
-            found, state, step, directory, async_=async_, keep_last=keep_last
+            found, state, step, directory, async_=async_, keep_last=keep_last, entries=entries
         )
     state = _checked_state(state)
     final = storage_for(directory).join(directory, checkpoint_layout.step_name(step))
@@ -112,7 +113,6 @@ def save(
         return final  # ranks without a process group: the main process saves for them all
     notes = layout_notes(state) if checkpoint_ranks.is_coordinator() else {}
     world_size = _world_size()
-    entries = {name: entry() for name, entry in _marker_entries.items()}  # as of this call
 
     def commit(written_to: str) -> None:
         marker = {

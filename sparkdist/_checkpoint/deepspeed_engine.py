@@ -101,8 +101,10 @@ def save(
     *,
     async_: bool,
     keep_last: int | None,
+    entries: dict[str, Any] | None = None,
 ) -> str:
-    """``runtime.save_checkpoint`` of a DeepSpeed engine: every rank calls it."""
+    """``runtime.save_checkpoint`` of a DeepSpeed engine: every rank calls it. ``entries``: what
+    else the commit marker holds (``api.add_marker_entry``)."""
     engine = found.engine
     if async_:
         raise ValueError(
@@ -157,6 +159,7 @@ def save(
         "client_keys": sorted(client_state),
         "deepspeed_version": deepspeed.__version__,
         "saved_at": round(time.time(), 3),
+        **(entries or {}),
     }
 
     def commit() -> None:  # on rank 0, after DeepSpeed's barrier: every rank's files are there
