@@ -134,7 +134,7 @@ class LabFaults(Faults):
 
     def strike(self, target: dict[str, Any]) -> float:
         lab, host = self.cluster.lab, target["lab_host"]
-        if self.schedule == "host-kill":
+        if self.schedule.startswith("host-kill"):
             lab.kill_host(host)
             struck = time.time()
             # Capacity comes back (a new machine, same name and address). The cluster has no

@@ -40,8 +40,9 @@ def start_run(config, max_restarts):
         stop = os.path.join(config["run_dir"], "stop")
         while not os.path.exists(stop):
             try:
-                result = sparkdist.Distributor(2, local_mode=False, use_gpu=False,
-                    min_processes=1, max_restarts=max_restarts,
+                result = sparkdist.Distributor(config["num_processes"], local_mode=False,
+                    use_gpu=False, min_processes=config["min_processes"],
+                    grow_after_s=config["grow_after_s"], max_restarts=max_restarts,
                     checkpoint_dir=os.path.join(config["run_dir"], "ckpt")).run_all(train, config)
                 ended["attempts"] = [a.summary() for a in result.attempts]
                 break
@@ -57,9 +58,16 @@ def start_run(config, max_restarts):
 """
 
 
-def run_config(variant: str, run_dir: Path, steps: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``train``'s config for one run: the variant, its directory, ``steps`` and the options."""
+def run_config(
+    variant: str, run_dir: Path, steps: int, args: argparse.Namespace, **world: Any
+) -> dict[str, Any]:
+    """``train``'s config for one run: the variant, its directory, ``steps`` and the options;
+    ``world``: the lab's ``num_processes``, ``min_processes`` and ``grow_after_s``."""
     return {
+        "num_processes": 2,
+        "min_processes": 1,
+        "grow_after_s": None,
+        **world,
         "variant": variant,
         "run_dir": str(run_dir),
         "relaunch": 0,
@@ -209,6 +217,9 @@ def figures_of(
         for a, b in zip(order, order[1:], strict=False)
     ]
     step_times = sorted(e - b for b, e in last.values())
+    timeline = [  # every step executed, for the plot: [start, end] after the launch, world
+        [rounded(b - started, 2), rounded(e - started, 2), w] for _, _, b, e, w in rows
+    ]
     return {
         "finished": finished,
         "wall_s": rounded(wall_s, 2),
@@ -227,7 +238,27 @@ def figures_of(
         "step_s_median": rounded(step_times[len(step_times) // 2] if step_times else None, 3),
         "worlds": sorted({r[4] for r in rows}),
         "strikes_s": [rounded(s["at"] - started, 1) for s in strikes],  # after the launch
+        "rates": rates_around(timeline, [s["at"] - started for s in strikes]),
+        "timeline": timeline,
     }
+
+
+def rates_around(timeline: list[list[Any]], strikes_s: list[float]) -> list[dict[str, Any]]:
+    """Steps per second between one fault and the next (the first span from the launch), and
+    the world sizes that ran in it: how fast the run went before and after each fault."""
+    bounds = [0.0, *strikes_s, max((e for _, e, _ in timeline), default=0.0)]
+    spans = []
+    for begin, end in zip(bounds, bounds[1:], strict=False):
+        inside = [(e, w) for _, e, w in timeline if begin <= e < end]
+        spans.append(
+            {
+                "from_s": rounded(begin, 1),
+                "to_s": rounded(end, 1),
+                "steps_per_s": rounded(len(inside) / (end - begin), 2) if end > begin else None,
+                "worlds": sorted({w for _, w in inside}),
+            }
+        )
+    return spans
 
 
 def checkpointed_step(run_dir: Path) -> int:

@@ -23,11 +23,20 @@ host SIGKILLed, then the host brought back) and ``host-sigterm`` (SIGTERM to ran
 JVM, as YARN or Kubernetes send; that run's driver sets ``spark.python.task.killTimeout=30s``,
 see docs/restarts.md); each lab run has a driver application of its own.
 
+``host-kill-grow`` and ``host-kill-no-grow`` kill rank 1's host the same way, with 3 ranks on the
+3 hosts (``min_processes=2``): the run shrinks to 2 at each loss; with grow-back
+(``grow_after_s=--grow-after-s``) it drains and goes back to 3 once the host has been back that
+long, without (``grow_after_s=None``) it stays at 2 until a later fault's restart finds 3 slots.
+The step's sleep is ``--step-s * requested / world`` (the same global work on fewer ranks), so
+a shrunk run is slower. ``--plot out.png`` (matplotlib) draws each lab run's world size and
+steps per second over time with the faults marked (docs/restarts.md shows one).
+
 Figures per run: ``goodput`` (sum of the durations of the steps that count, i.e. the last
 execution of each step index, over the wall time from the first launch to the result),
 ``lost_per_fault`` ((steps executed - steps) / faults), ``restarts`` (sparkdist's),
 ``relaunches`` (by user code), ``recovery_s`` (median, from a fault to the first step of the
-next attempt). A run still going at ``--cap-s`` is stopped and reported ``unfinished``; then only
+next attempt), ``rates`` (steps per second between one fault and the next, and the worlds that
+ran then). A run still going at ``--cap-s`` is stopped and reported ``unfinished``; then only
 steps its last checkpoint covers count.
 
 Usage (see benchmarks/README.md)::
@@ -35,6 +44,8 @@ Usage (see benchmarks/README.md)::
     python benchmarks/goodput.py --quick             # smoke test (~3 min)
     python benchmarks/goodput.py --out goodput.json  # local mode, every variant and schedule
     python benchmarks/goodput.py --lab               # plus the lab (needs root or user namespaces)
+    python benchmarks/goodput.py --no-local --lab --lab-schedules host-kill-grow \
+        host-kill-no-grow --plot goodput.png          # grow-back against none, drawn
 
 Non-goals: GPUs, real models (the step is a sleep), Spark's own task retries (barrier stages
 have none).
@@ -67,7 +78,16 @@ NUM_PROCESSES = 2
 MAX_RESTARTS = 1000
 SIGNALS = {"crash": signal.SIGKILL, "preempt": signal.SIGTERM}
 LOCAL_VARIANTS = ("sparkdist periodic", "sparkdist async+drain", "pyspark")
-LAB_VARIANTS = {"host-kill": "sparkdist periodic", "host-sigterm": "sparkdist async+drain"}
+LAB_VARIANTS = {
+    "host-kill": "sparkdist periodic",
+    "host-sigterm": "sparkdist async+drain",
+    "host-kill-grow": "sparkdist async+drain",
+    "host-kill-no-grow": "sparkdist async+drain",
+}
+#: The lab's worlds: 2 ranks of at least 1 on 3 hosts (a lost host's rank moves to the third),
+#: or 3 ranks of at least 2 on the 3 hosts (a lost host shrinks the run until it grows back).
+LAB_WORLD = {"num_processes": 2, "min_processes": 1, "grow_after_s": None}
+CYCLE_WORLD = {"num_processes": 3, "min_processes": 2}
 
 OPTIONS = Options(__doc__, quick_help="a smoke test (~3 min)")
 OPTIONS.add("--steps", type=int, quick=(120, 60), help="steps per run")
@@ -90,6 +110,8 @@ OPTIONS.add("--lab-schedules", nargs="+", choices=tuple(LAB_VARIANTS), default=l
 OPTIONS.add("--lab-steps", type=int, quick=(240, 80), help="steps per lab run")
 OPTIONS.add("--lab-interval-s", type=float, quick=(20.0, 10.0), help="seconds between host faults")
 OPTIONS.add("--lab-cap-s", type=float, default=300.0)
+OPTIONS.add("--grow-after-s", type=float, default=5.0, help="host-kill-grow's grow_after_s (5)")
+OPTIONS.add("--plot", type=Path, help="draw the lab runs' world and steps/s over time (PNG)")
 OPTIONS.add("--runs", type=int, default=1, help="rounds of every cell (1)")
 OPTIONS.add("--out", type=Path, help="write every record here as a JSON list")
 
@@ -231,7 +253,11 @@ def lab_run(cluster: Any, schedule: str, args: argparse.Namespace) -> dict[str, 
     variant = LAB_VARIANTS[schedule]
     run_dir = cluster.lab.shared / f"run-{time.monotonic_ns()}"
     run_dir.mkdir()
-    config = run_config(variant, run_dir, args.lab_steps, args)
+    world = dict(LAB_WORLD)
+    if schedule in ("host-kill-grow", "host-kill-no-grow"):
+        grow = args.grow_after_s if schedule == "host-kill-grow" else None
+        world = {**CYCLE_WORLD, "grow_after_s": grow}
+    config = run_config(variant, run_dir, args.lab_steps, args, **world)
     progress(SCRIPT, f"lab: {variant} under {schedule}")
     driver = start_lab_driver(cluster, drains=schedule == "host-sigterm")
     try:
@@ -345,6 +371,10 @@ def main(argv: list[str]) -> None:
     machine = bench.machine(**settings)
     if args.out:
         args.out.write_text(json.dumps([*records, machine], indent=1) + "\n")
+    if args.plot:
+        from _goodput_plot import plot
+
+        plot([r for r in records if r["where"] == "lab"], machine, args.plot)
     emit([*records, machine], table_of(records))
 
 

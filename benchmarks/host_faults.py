@@ -19,6 +19,7 @@ Usage::
 
     python benchmarks/host_faults.py             # 3 runs of each, pyspark once each
     python benchmarks/host_faults.py --quick     # 1 run of each, no pyspark cut
+    python benchmarks/host_faults.py --restart-only --runs 5   # the restart alone
 
 Needs root (or user namespaces): the lab's rule, see docs/testing.md. Every byte stays inside
 the lab's namespaces.
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--pyspark-cut-cap-s", type=float, default=150.0)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--restart-only", action="store_true", help="only the restart scenario")
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -192,7 +194,7 @@ def main() -> None:
         try:
             driver = cluster.start_driver(SPARKDIST_MLFLOW="0")
             driver.check(DRIVER_CODE)
-            for fault in ("kill", "cut"):
+            for fault in () if args.restart_only else ("kill", "cut"):
                 runs = [fault_run(cluster, "sparkdist", fault, 120) for _ in range(args.runs)]
                 figures[f"sparkdist {fault}"] = runs
                 if fault == "kill" or not args.quick:
