@@ -187,7 +187,7 @@ def test_a_stopped_runs_large_job_leaves_no_copy_on_the_executors(
         time.sleep(120)
         return float(data[-1])
 
-    timeout_s = 25 if ending == "timed out" else 200
+    timeout_s = 15 if ending == "timed out" else 200  # the ranks start in a few seconds
     run = Distributor(
         2,
         local_mode=False,

@@ -109,6 +109,10 @@ def _check_two_hosts(values: list[dict[str, Any]], cluster: LabCluster) -> None:
     assert {v["master_addr"] for v in values} == {rank0.address}
 
 
+# With -m slow (the suite's time is bounded): Spark offered a 2-core executor's two slots in one
+# round too, and the numbering is host by host whatever the executors' shape; the 1-core
+# executors below interleaved worst, so they stay in the default run.
+@pytest.mark.slow
 def test_one_two_core_executor_per_host(two_host_lab: LabCluster) -> None:
     _check_two_hosts(_run_on(two_host_lab, executor_cores=2, executors=2), two_host_lab)
 
