@@ -122,7 +122,7 @@ def record_of(
     """A run's JSON record: where and what, its ``figures_of``, ``extra``, the load now."""
     record = {"figure": "goodput", "where": where, "schedule": schedule, "variant": variant}
     record.update(figures, **extra, load_1m=round(os.getloadavg()[0], 2))
-    progress(SCRIPT, f"  {json.dumps(record)}")
+    progress(SCRIPT, f"  {json.dumps({k: v for k, v in record.items() if k != 'timeline'})}")
     return record
 
 
