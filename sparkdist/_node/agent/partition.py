@@ -21,7 +21,7 @@ rank's count).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from sparkdist._core.data_plan import DataPlan
@@ -67,30 +67,18 @@ def write_partition(
 
     ranks = sorted(paths)
     counts = {rank: 0 for rank in ranks}
-    writers: dict[int, Any] = {}
-    sinks: list[Any] = []
-    try:
+    with _RankFiles(paths) as files:
         for batch in batches:
-            if not writers:
-                for rank in ranks:
-                    sink = pa.OSFile(paths[rank], "wb")
-                    sinks.append(sink)
-                    writers[rank] = pa.ipc.new_stream(sink, batch.schema)
+            if not files.writers:
+                files.open(_same(batch.schema))
             rows, k = batch.num_rows, len(ranks)
             for i, rank in enumerate(ranks):
                 start, end = rows * i // k, rows * (i + 1) // k
                 if end > start:
-                    writers[rank].write_batch(batch.slice(start, end - start))
+                    files.writers[rank].write_batch(batch.slice(start, end - start))
                     counts[rank] += end - start
-        if not writers:  # an empty partition still gives every rank a readable (empty) file
-            for rank in ranks:
-                with pa.OSFile(paths[rank], "wb") as sink, pa.ipc.new_stream(sink, pa.schema([])):
-                    pass
-    finally:
-        for writer in writers.values():
-            writer.close()
-        for sink in sinks:
-            sink.close()
+        if not files.writers:  # an empty partition still gives every rank a readable (empty) file
+            files.open(_same(pa.schema([])))
     return counts
 
 
@@ -112,30 +100,55 @@ def write_sharded_partition(
     slots = {rank: first_slot + i for i, rank in enumerate(ranks)}
     wanted = {rank: pa.array(sorted(plan.shards_of(slots[rank])), pa.int32()) for rank in ranks}
     counts = {rank: 0 for rank in ranks}
-    writers: dict[int, Any] = {}
-    sinks: list[Any] = []
 
-    def open_all(schema: Any) -> None:
-        for rank in ranks:
+    def schema_of(schema: Any) -> Callable[[int], Any]:
+        def with_plan(rank: int) -> Any:
             meta = {PLAN_METADATA: plan_json.encode(), SLOT_METADATA: str(slots[rank]).encode()}
-            sink = pa.OSFile(paths[rank], "wb")
-            sinks.append(sink)
-            writers[rank] = pa.ipc.new_stream(sink, schema.with_metadata(meta))
+            return schema.with_metadata(meta)
 
-    try:
+        return with_plan
+
+    with _RankFiles(paths) as files:
         for batch in batches:
-            if not writers:
-                open_all(batch.schema)
+            if not files.writers:
+                files.open(schema_of(batch.schema))
             for rank in ranks:
                 mine = batch.filter(pc.is_in(batch.column(SHARD_COLUMN), value_set=wanted[rank]))
                 if mine.num_rows:
-                    writers[rank].write_batch(mine.replace_schema_metadata(None))
+                    files.writers[rank].write_batch(mine.replace_schema_metadata(None))
                     counts[rank] += mine.num_rows
-        if not writers:  # no rows here (a world larger than the shards): readable, empty
-            open_all(pa.schema([pa.field(SHARD_COLUMN, pa.int32())]))
-    finally:
-        for writer in writers.values():
-            writer.close()
-        for sink in sinks:
-            sink.close()
+        if not files.writers:  # no rows here (a world larger than the shards): readable, empty
+            files.open(schema_of(pa.schema([pa.field(SHARD_COLUMN, pa.int32())])))
     return counts
+
+
+def _same(schema: Any) -> Callable[[int], Any]:
+    """Every rank's file gets ``schema``."""
+    return lambda rank: schema
+
+
+class _RankFiles:
+    """One Arrow IPC stream file per rank, opened with the first batch's schema (``open``), all
+    closed together however the writing ends."""
+
+    def __init__(self, paths: Mapping[int, str]) -> None:
+        self.paths = paths
+        self.writers: dict[int, Any] = {}
+        self._sinks: list[Any] = []
+
+    def open(self, schema_of: Callable[[int], Any]) -> None:
+        import pyarrow as pa
+
+        for rank in sorted(self.paths):
+            sink = pa.OSFile(self.paths[rank], "wb")
+            self._sinks.append(sink)
+            self.writers[rank] = pa.ipc.new_stream(sink, schema_of(rank))
+
+    def __enter__(self) -> _RankFiles:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for writer in self.writers.values():
+            writer.close()
+        for sink in self._sinks:
+            sink.close()
