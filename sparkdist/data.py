@@ -90,9 +90,10 @@ def loader(
     ``partition_dataset`` gives them; one tensor when one column is asked for), then counts
     ``loader.epoch`` up: ``while loader.epoch < epochs: for batch in loader: ...``. Every rank
     takes the same number of batches (about ``batch_size`` rows each; ranks' batches differ by
-    a row or so, and a rank may get an empty last batch when an epoch has fewer rows left
-    than ranks). Its position goes into every checkpoint committed after it is made; load
-    the checkpoint (``runtime.load_checkpoint``) before its first batch.
+    a row or so; a rank gets empty batches when an epoch has fewer rows left than ranks, or
+    fewer shards with rows than ranks: use more shards than ranks). Its position goes into
+    every checkpoint committed after it is made; load the checkpoint
+    (``runtime.load_checkpoint``) before its first batch.
     """
     from sparkdist._node.rank.shard_loader import ShardLoader
 

@@ -140,9 +140,11 @@ class Segment:
 
     def steps(self, batch_size: int) -> int:
         """Steps every slot takes: enough that the smallest slot's batches are ``batch_size``
-        or fewer, and never so many that any slot runs dry (0 when the epoch is empty)."""
-        counts = self.counts()
-        if not any(counts):
+        or fewer, and never so many that a slot with rows runs dry (0 when the epoch is empty).
+        A slot with no rows at all (fewer shards with rows than slots) takes empty batches
+        rather than making the others take all of theirs in one."""
+        counts = [n for n in self.counts() if n]
+        if not counts:
             return 0
         return max(1, -(-min(counts) // batch_size))
 

@@ -140,6 +140,9 @@ def test_fewer_rows_than_slots_gives_some_slots_an_empty_last_batch():
     assert sorted(rows_in(segment.batch(j, 0, 1)) for j in range(3)) == [0, 1, 1]
     assert segment.after(1, 1) == Position(1)
     assert Segment(0, ((), ())).steps(4) == 0
+    # A slot without rows (fewer shards with rows than slots) does not make the others take
+    # all of theirs in one batch: it takes empty ones.
+    assert Segment(0, (((0, 0, 40),), ())).steps(4) == 10
 
 
 def test_spark_hash_and_route_keys_match_spark():
