@@ -70,27 +70,6 @@ def _zygote_of(tmp_path, name):
     return Distributor(1, use_gpu=False, env=env).run(rank_view)["ppid"]
 
 
-def prepared_imports():
-    return {
-        "ppid": os.getppid(),
-        "dcp": "torch.distributed.checkpoint" in sys.modules,
-        "dynamo": "torch._dynamo" in sys.modules,  # what DistributedDataParallel imports first
-    }
-
-
-def test_a_later_run_starts_with_checkpoint_and_ddp_imports_prepared():
-    # The first run's ranks fork at once; in the quiet after them, the zygote imports what a
-    # restart's checkpoint load and DDP would (~1 s), so the next attempt does not pay it.
-    first = Distributor(2, use_gpu=False).run_all(prepared_imports)
-    deadline = time.monotonic() + 60
-    while True:
-        later = Distributor(2, use_gpu=False).run_all(prepared_imports)
-        if all(v["dcp"] and v["dynamo"] for v in later.values) or time.monotonic() > deadline:
-            break
-    assert {v["ppid"] for v in first.values} == {v["ppid"] for v in later.values}  # one zygote
-    assert all(v["dcp"] and v["dynamo"] for v in later.values), later.values
-
-
 def test_zygotes_are_kept_per_import_environment_and_bounded(tmp_path):
     """A run with another import-time environment gets a zygote of its own and leaves the
     others alone; at most MAX_ZYGOTES are kept, the least recently used idle one makes room."""

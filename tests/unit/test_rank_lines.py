@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import pty
+import select
+import time
 
 import pytest
 
@@ -36,10 +38,19 @@ def test_console_progress_conf(value, on):
 
 @pytest.fixture
 def terminal():
-    """A real pseudo-terminal to write to, and what arrives on its other side."""
+    """A real pseudo-terminal to write to, and what arrives on its other side: a whole line
+    (a read may return the line before its end arrives; a loaded machine showed it)."""
     controller, follower = pty.openpty()
     stream = open(follower, "w", closefd=True)  # noqa: SIM115 - closed below
-    yield stream, lambda: os.read(controller, 4096).decode()
+
+    def received() -> str:
+        text, deadline = "", time.monotonic() + 10
+        while not text.endswith("\n") and time.monotonic() < deadline:
+            if select.select([controller], [], [], 0.1)[0]:
+                text += os.read(controller, 4096).decode()
+        return text
+
+    yield stream, received
     stream.close()
     os.close(controller)
 

@@ -26,7 +26,6 @@ Non-goals: deciding when a pool is used or replaced (``_pool``).
 from __future__ import annotations
 
 import gc
-import importlib
 import io
 import json
 import os
@@ -50,11 +49,6 @@ MIN_SPARES = 2
 MAX_SPARES = 16
 #: Spares are forked again once no request came for this long (a run's requests come together).
 REPLENISH_AFTER_QUIET_S = 0.05
-#: Imported once the first ranks are out, in the first quiet moment (never on a launch's path):
-#: what a restarted rank's checkpoint load and its first DistributedDataParallel import on first
-#: use (~1 s together), so the attempt after a fault starts with them. Spares forked before are
-#: replaced.
-PREPARED_LATER = ("torch.distributed.checkpoint", "torch._dynamo")
 #: After its owner died, how long the zygote lets its ranks end themselves before it exits.
 OWNER_GONE_GRACE_S = 0.5
 #: The process name of a parked spare (15 characters at most).
@@ -112,7 +106,6 @@ class _Server:
         self.children: dict[int, socket.socket] = {}  # rank pid -> its requester
         self.spares: list[_Spare] = []
         self.spare_target = MIN_SPARES
-        self.prepared = False  # PREPARED_LATER imported
         self._replenish()
 
     def serve(self) -> None:
@@ -130,7 +123,6 @@ class _Server:
                 # run it would delay the next rank by as much).
                 self._replenish()
                 replenish_at = None
-                self._prepare_more()
                 continue
             if self.wake_read in readable:
                 os.read(self.wake_read, 4096)
@@ -145,23 +137,6 @@ class _Server:
                 except (OSError, ValueError):
                     conn.close()
                 replenish_at = time.monotonic() + REPLENISH_AFTER_QUIET_S
-
-    def _prepare_more(self) -> None:
-        """Import ``PREPARED_LATER`` once, then fork the spares again from this fuller image."""
-        if self.prepared:
-            return
-        self.prepared = True
-        for name in PREPARED_LATER:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - an optional warm-up: the rank imports it itself
-                pass
-        gc.collect()
-        gc.freeze()
-        for spare in self.spares:
-            spare.sock.close()  # a parked spare reads end of file and exits (``_park``)
-        self.spares = []
-        self._replenish()
 
     def _let_ranks_end(self) -> None:
         """The owner died: its ranks see their control pipes close and end themselves (and
