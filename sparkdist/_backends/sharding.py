@@ -17,16 +17,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from sparkdist._checkpoint.layout import candidates, read_marker
-from sparkdist._core.data_plan import MAX_SHARDS, DataPlan, Position, make_plan
+from sparkdist._core.data_plan import (
+    KEY_COLUMN,
+    MARKER_KEY,
+    MAX_SHARDS,
+    ROUTE_COLUMN,
+    SHARD_COLUMN,
+    DataPlan,
+    Position,
+    make_plan,
+)
 from sparkdist._core.errors import ConfigError
+from sparkdist._core.run.run_state import NO_ROWS
 from sparkdist._core.spark_partitioning import route_keys
 
 logger = logging.getLogger("sparkdist")
-
-#: Columns the routing adds; the ranks' files keep the first two.
-SHARD_COLUMN, KEY_COLUMN, ROUTE_COLUMN = "_sparkdist_shard", "_sparkdist_key", "_sparkdist_route"
-#: The commit marker's entry for the data position (``_checkpoint.api``).
-MARKER_KEY = "data"
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,6 @@ def route(
     counted = {row[0]: row[1] for row in keyed.groupBy(SHARD_COLUMN).count().collect()}
     sizes = [int(counted.get(s, 0)) for s in range(sharded.shards)]
     if not any(sizes):
-        from sparkdist._core.run.run_state import NO_ROWS
-
         raise ConfigError(NO_ROWS)
     saved, step = position
     start = None

@@ -157,10 +157,15 @@ class SparkBackend:
         return 0 if placement is None else placement.world_size
 
     def _executors_of(self, nodes: Collection[int]) -> set[str]:
-        """The executors the last attempt's ``nodes`` ran on (as far as Spark says)."""
+        """The executors the last attempt's ``nodes`` ran on, as far as Spark says: none where
+        its status store does not (a developer API), and the restart counts what is offered."""
         if self._last_stage is None or not nodes:
             return set()
-        ran_on = spark_driver.task_executors(self.session, self._last_stage.job_group)
+        try:
+            ran_on = spark_driver.task_executors(self.session, self._last_stage.job_group)
+        except Exception:  # noqa: BLE001 - a restart must not fail for want of this listing
+            logger.debug("sparkdist: cannot list the tasks' executors", exc_info=True)
+            return set()
         return {ran_on[n] for n in nodes if n in ran_on}
 
     def give_up_nodes(self, nodes: set[int]) -> None:

@@ -33,6 +33,13 @@ from typing import Any
 #: The most shards a DataFrame may be cut into (the plan travels in every rank's environment).
 MAX_SHARDS = 4096
 
+#: The columns the driver adds to a sharded DataFrame (the ranks' files keep the first two).
+SHARD_COLUMN, KEY_COLUMN, ROUTE_COLUMN = "_sparkdist_shard", "_sparkdist_key", "_sparkdist_route"
+#: A sharded rank file's schema metadata: the attempt's plan (JSON) and the rank's slot in it.
+PLAN_METADATA, SLOT_METADATA = b"sparkdist.data_plan", b"sparkdist.data_slot"
+#: The commit marker's entry that holds the data position.
+MARKER_KEY = "data"
+
 #: ``(shard, start, end)``: positions ``start..end-1`` of the shard's row order in its epoch.
 Piece = tuple[int, int, int]
 

@@ -24,12 +24,8 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from sparkdist._core.data_plan import DataPlan
+from sparkdist._core.data_plan import PLAN_METADATA, SHARD_COLUMN, SLOT_METADATA, DataPlan
 from sparkdist._node.agent.spec import AgentSpec
-
-#: Schema metadata of a sharded rank file: the attempt's plan (JSON) and the rank's slot in it.
-PLAN_METADATA, SLOT_METADATA = b"sparkdist.data_plan", b"sparkdist.data_slot"
-SHARD_COLUMN = "_sparkdist_shard"  # ``_backends.sharding`` adds it
 
 
 def partition_path(run_dir: str, rank: int) -> str:

@@ -16,13 +16,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sparkdist._checkpoint import api as checkpoints
-from sparkdist._core.data_plan import DataPlan, Piece, row_order
+from sparkdist._core.data_plan import (
+    KEY_COLUMN,
+    MARKER_KEY,
+    PLAN_METADATA,
+    SHARD_COLUMN,
+    SLOT_METADATA,
+    DataPlan,
+    Piece,
+    row_order,
+)
 from sparkdist._core.env import PARTITION_FILE_VAR
 from sparkdist._node.rank.arrow_columns import converter
-
-#: As ``_backends.sharding`` and ``_node.agent.partition`` name them.
-SHARD_COLUMN, KEY_COLUMN, MARKER_KEY = "_sparkdist_shard", "_sparkdist_key", "data"
-PLAN_METADATA, SLOT_METADATA = b"sparkdist.data_plan", b"sparkdist.data_slot"
 
 
 class ShardLoader:
