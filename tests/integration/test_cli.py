@@ -198,6 +198,7 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread's stack
     )
     try:
         assert driver.stdout is not None
@@ -208,7 +209,12 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
                 break
         assert started == 2, "the ranks did not start"
         driver.send_signal(signal.SIGINT)
-        _, err = driver.communicate(timeout=60)
+        try:
+            _, err = driver.communicate(timeout=60)
+        except subprocess.TimeoutExpired:  # say where the driver is stuck (once on CI)
+            driver.send_signal(signal.SIGABRT)
+            _, err = driver.communicate(timeout=30)
+            pytest.fail(f"Ctrl-C did not end the driver within 60 s; its threads:\n{err}")
     finally:
         if driver.poll() is None:
             driver.kill()
