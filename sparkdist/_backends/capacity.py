@@ -34,9 +34,9 @@ LOST_EXECUTORS_SETTLE_S = 5.0
 POLL_S = 0.2
 
 
-def executor_slots(session: Any, task_cpus: int) -> dict[str, int] | None:
-    """Barrier slots of this application's live executors, by executor id; None where this
-    Spark does not say (the internal APIs are missing, or Connect).
+def executor_cores(session: Any) -> dict[str, tuple[int, int]] | None:
+    """Cores and running tasks of this application's live executors, by executor id; None
+    where this Spark does not say (the internal APIs are missing, or Connect).
 
     Only executors the scheduler still offers count, as in ``count_barrier_slots``: one given
     up (``give_up_executors``) is listed by the status store until its end is confirmed, which
@@ -45,16 +45,25 @@ def executor_slots(session: Any, task_cpus: int) -> dict[str, int] | None:
         jsc = session.sparkContext._jsc.sc()
         scheduler = jsc.schedulerBackend()
         summaries = jsc.statusStore().executorList(True)
-        slots: dict[str, int] = {}
+        cores: dict[str, tuple[int, int]] = {}
         for i in range(summaries.size()):
             summary = summaries.apply(i)
             if summary.id() == "driver" or not scheduler.isExecutorActive(summary.id()):
                 continue
-            slots[str(summary.id())] = int(summary.totalCores()) // max(1, task_cpus)
+            cores[str(summary.id())] = (int(summary.totalCores()), int(summary.activeTasks()))
     except Exception:
         logger.debug("sparkdist: cannot list the executors", exc_info=True)
         return None
-    return slots
+    return cores
+
+
+def executor_slots(session: Any, task_cpus: int) -> dict[str, int] | None:
+    """Barrier slots of this application's live executors, by executor id (``executor_cores``);
+    None where this Spark does not say."""
+    cores = executor_cores(session)
+    if cores is None:
+        return None
+    return {executor: total // max(1, task_cpus) for executor, (total, _) in cores.items()}
 
 
 def usable_slots(total: int, by_executor: Mapping[str, int] | None, lost: Collection[str]) -> int:

@@ -18,6 +18,7 @@ from typing import Any
 from sparkdist._backends import capacity, sharding, spark_driver
 from sparkdist._backends.base import RunningAgents
 from sparkdist._backends.decommission import DECOMMISSION_KEY, DecommissionWatch
+from sparkdist._backends.pool_warmer import PoolWarmer, may_restart
 from sparkdist._backends.stage import BarrierStage
 from sparkdist._core.env import CONTROL_CHANNEL_VAR
 from sparkdist._core.launch.config import LaunchConfig
@@ -61,6 +62,7 @@ class SparkBackend:
         # SPARKDIST_CONTROL_CHANNEL=off says the executors cannot reach this process.
         self.detached = os.environ.get(CONTROL_CHANNEL_VAR, "").strip().lower() in _OFF
         self._watches_decommission = False  # spark.decommission.enabled, read by ``place``
+        self._task_cpus = 1  # spark.task.cpus, read by ``place``
         self._last_stage: BarrierStage | None = None  # the attempt ``give_up_nodes`` is about
         self._checkpoints: tuple[str | None, str] = (None, "")  # where a data position is kept
 
@@ -78,6 +80,8 @@ class SparkBackend:
             fewest=_fewest_tasks(config, placement),
         )
         self.driver_host = spark_driver.driver_host(self.session, conf)
+        task_cpus = conf.get("spark.task.cpus", "1")
+        self._task_cpus = int(task_cpus) if task_cpus.isdigit() else 1
         # Connect reaches no scheduler: its decommissioned executors' Python workers are
         # shut down in the end, which the agents hear (SIGHUP) as a notice.
         self._watches_decommission = self.kind is BackendKind.SPARK and _is_true(
@@ -90,12 +94,11 @@ class SparkBackend:
         full = place_on_cluster(config, conf)
         if config.min_processes is None or self.kind is BackendKind.CONNECT:
             return full  # a fixed world (or a Connect session, which lists no executors)
-        task_cpus = conf.get("spark.task.cpus", "1")
         found = capacity.wait_for_capacity(
             self.session,
             fewest_tasks=_fewest_tasks(config, full),
             lost_executors=self._executors_of(lost_nodes),
-            task_cpus=int(task_cpus) if task_cpus.isdigit() else 1,
+            task_cpus=self._task_cpus,
             wait_s=config.start_timeout_s,
         )
         return _shrunk(config, full, found)
@@ -135,9 +138,19 @@ class SparkBackend:
             else None
         )
 
+        warmer = (
+            PoolWarmer(
+                self.session, template, stage.job_group, placement.num_tasks, self._task_cpus
+            )
+            if self.kind is BackendKind.SPARK and may_restart(template)
+            else None
+        )
+
         def done() -> None:
             if watch is not None:
                 watch.stop()
+            if warmer is not None:
+                warmer.stop()
             on_done()
 
         return RunningAgents(

@@ -62,6 +62,27 @@ def test_nothing_leaks_from_one_pooled_run_into_the_next(tmp_path):
     assert {v["name"] for v in second.values} == {"sparkdist-r0", "sparkdist-r1"}
 
 
+def imports_at_entry():
+    return {
+        "ppid": os.getppid(),
+        "dcp": "torch.distributed.checkpoint" in sys.modules,
+        "dynamo": "torch._dynamo" in sys.modules,  # what DistributedDataParallel imports first
+    }
+
+
+def test_a_checkpointing_runs_ranks_start_with_what_a_restarted_rank_imports(tmp_path):
+    # A run with checkpoint_dir may restart: its zygote imported the checkpoint load's and
+    # DDP's modules before it was ready (~1 s once), so no rank of any attempt pays them.
+    plain = Distributor(2, use_gpu=False).run_all(imports_at_entry)
+    checkpointing = Distributor(2, use_gpu=False, checkpoint_dir=str(tmp_path / "ckpt"))
+    first, again = checkpointing.run_all(imports_at_entry), checkpointing.run_all(imports_at_entry)
+    assert not any(v["dcp"] or v["dynamo"] for v in plain.values), plain.values
+    assert all(v["dcp"] and v["dynamo"] for v in first.values + again.values), first.values
+    zygotes = {v["ppid"] for v in first.values + again.values}  # one zygote, kept
+    assert len(zygotes) == 1 and zygotes.isdisjoint({v["ppid"] for v in plain.values})
+    assert zygotes != {os.getpid()}
+
+
 def _zygote_of(tmp_path, name):
     """The zygote a run whose import-time environment is ``name`` forks from."""
     library_dir = tmp_path / name

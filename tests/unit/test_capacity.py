@@ -16,6 +16,7 @@ class Executor:
     host: str
     cores: int = 1
     name: str = ""  # the id's distinguishing part, where a host has several
+    active: int = 0  # tasks running on it
 
     def id(self) -> str:
         return f"exec-{self.host}{self.name}"
@@ -25,6 +26,9 @@ class Executor:
 
     def totalCores(self) -> int:  # noqa: N802 - Spark's name
         return self.cores
+
+    def activeTasks(self) -> int:  # noqa: N802 - Spark's name
+        return self.active
 
 
 @dataclass

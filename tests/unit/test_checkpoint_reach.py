@@ -9,22 +9,19 @@ import stat
 from sparkdist._core.env import CHECKPOINT_DIR_VAR
 from sparkdist._node.agent.checkpoint_reach import ReachCheck, token_path
 from sparkdist._node.agent.spec import AgentSpec
+from tests._helpers.specs import agent_spec
 
 
 def spec_of(directory: str | None, node: int, nodes: int = 2, **kw) -> AgentSpec:
     env = {CHECKPOINT_DIR_VAR: directory} if directory else {}
-    return AgentSpec(
+    return agent_spec(
         run_id="run1",
-        job_bytes=b"",
         node_rank=node,
         num_nodes=nodes,
-        processes_per_node=1,
         master_addr="10.0.0.1",
         host=f"10.0.0.{node + 1}",
         channel_address=("10.0.0.9", 1),
         secret="s" * 64,
-        gpu_addresses=None,
-        mode="ddp",
         start_timeout_s=60,
         extra_env=env,
         **kw,

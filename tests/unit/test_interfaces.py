@@ -17,13 +17,13 @@ from sparkdist._core.addresses import (
 )
 from sparkdist._core.env import RankSeat, with_socket_ifname, worker_env
 from sparkdist._node.agent.network import decide_node_network
-from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._node.host.interfaces import (
     NodeNetwork,
     SystemLookups,
     interface_of,
     node_network,
 )
+from tests._helpers.specs import agent_spec
 
 GLOO, NCCL = "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"
 
@@ -307,22 +307,7 @@ def test_this_machines_own_address_finds_its_interface():
 
 
 def _spec(**kw):
-    base = dict(
-        run_id="r",
-        job_bytes=b"",
-        node_rank=0,
-        num_nodes=1,
-        processes_per_node=1,
-        master_addr="127.0.0.1",
-        host="127.0.0.1",
-        channel_address=("127.0.0.1", 0),
-        secret="",
-        gpu_addresses=None,
-        mode="ddp",
-        start_timeout_s=5.0,
-    )
-    base.update(kw)
-    return AgentSpec(**base)
+    return agent_spec(channel_address=("127.0.0.1", 0), secret="", start_timeout_s=5.0, **kw)
 
 
 def test_the_agents_decision_in_local_mode_is_loopback():

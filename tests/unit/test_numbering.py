@@ -21,6 +21,7 @@ from sparkdist._core.run.run_state import Deadlines, NodeHello, RunState, SendRe
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._wire import protocol
 from sparkdist._wire.protocol import Route
+from tests._helpers.specs import agent_spec
 
 # (task hosts by partition id, ranks per task) -> per task: (rank, local rank, node rank)
 NUMBERING = [
@@ -150,19 +151,12 @@ def test_the_rank_knows_its_task_and_every_hosts_size():
 
 
 def _spec(task: int, hosts: list[str], gpus: str | None) -> AgentSpec:
-    return AgentSpec(
-        run_id="r",
-        job_bytes=b"",
+    return agent_spec(
         node_rank=task,
         num_nodes=len(hosts),
-        processes_per_node=1,
         master_addr=hosts[0],
         host=hosts[task],
-        channel_address=("127.0.0.1", 1),
-        secret="s",
         gpu_addresses=gpus,
-        mode="ddp",
-        start_timeout_s=1.0,
         task_hosts=tuple(hosts),
     )
 

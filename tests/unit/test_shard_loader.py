@@ -4,6 +4,8 @@ refuses to train from a position its checkpoint was not loaded at."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pyarrow as pa
 import pytest
 
@@ -13,6 +15,7 @@ from sparkdist._core.env import PARTITION_FILE_VAR
 from sparkdist._node.agent.partition import write_partition
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._node.rank.shard_loader import ShardLoader
+from tests._helpers.specs import agent_spec
 
 SHARDS = 4
 
@@ -30,21 +33,7 @@ def _rows(n: int) -> pa.RecordBatch:
 
 
 def _spec(plan_json: str) -> AgentSpec:
-    return AgentSpec(
-        run_id="r",
-        job_bytes=b"",
-        node_rank=0,
-        num_nodes=1,
-        processes_per_node=2,
-        master_addr="127.0.0.1",
-        host="127.0.0.1",
-        channel_address=("127.0.0.1", 1),
-        secret="s",
-        gpu_addresses=None,
-        mode="ddp",
-        start_timeout_s=1.0,
-        data_plan_json=plan_json,
-    )
+    return agent_spec(processes_per_node=2, data_plan_json=plan_json)
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +87,7 @@ def test_the_position_is_saved_and_a_resumed_world_takes_only_the_rest(tmp_path,
     resumed = make_plan(1, sizes, 1, Position.from_json(positions[0], sizes), from_step=7)
     spec = _spec(resumed.to_json())
     one = {0: str(tmp_path / "resumed.arrow")}
-    write_partition([_rows(20)], one, AgentSpec(**{**spec.__dict__, "processes_per_node": 1}))
+    write_partition([_rows(20)], one, dataclasses.replace(spec, processes_per_node=1))
     monkeypatch.setenv(PARTITION_FILE_VAR, one[0])
     loader = ShardLoader(["id"], batch_size=4, float_dtype=None)
     with pytest.raises(RuntimeError, match="resumes from the checkpoint of step 7, but "):

@@ -45,7 +45,7 @@ from sparkdist._node.agent.partition import partition_path, write_schema
 from sparkdist._node.agent.spec import AgentSpec
 from sparkdist._node.host.interfaces import NodeNetwork
 from sparkdist._node.host.reaper import end_processes, start_time
-from sparkdist._node.pool.pool import start_rank
+from sparkdist._node.pool.pool import start_rank, warm
 from sparkdist._node.pool.rank_process import RankProcess, StartStop
 from sparkdist._shipping.code import put_code_first
 from sparkdist._wire import protocol
@@ -143,6 +143,15 @@ def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
     if spec.dataframe_schema_json is not None:
         extra[PYSPARK_SCHEMA_FILE_VAR] = write_schema(run_dir, spec.dataframe_schema_json)
     return extra
+
+
+def warm_pool(spec: AgentSpec) -> None:
+    """Start, in the background, the zygote this process would fork ``spec``'s ranks from
+    (``pool.warm``), and no rank: for an executor a restart of the run may land on.
+
+    A zygote's key reads only the import-time variables and whether the run checkpoints: the
+    agent's environment and the run's variables decide both, as in ``spawn_rank``."""
+    warm({**os.environ, **spec.extra_env})
 
 
 def spawn_rank(

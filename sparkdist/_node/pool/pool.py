@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from sparkdist._core.env import WORKER_POOL_VAR
 from sparkdist._core.files import sweep_dead_owners
 from sparkdist._node.pool.rank_process import ColdProcess, RankProcess, StartStop, StartStopped
+from sparkdist._node.pool.zygote import PREPARED_ARG
 from sparkdist._node.pool.zygote_client import (
     FORK_ANSWER_TIMEOUT_S as FORK_ANSWER_TIMEOUT_S,
 )
@@ -36,6 +37,7 @@ from sparkdist._node.pool.zygote_client import (
     ZYGOTE_START_TIMEOUT_S,
     Zygote,
     ZygoteKey,
+    prepares_restarts,
 )
 
 logger = logging.getLogger("sparkdist")
@@ -62,7 +64,7 @@ def start_rank(
     Raises:
         StartStopped: ``stop`` (the agent's) was set while the zygote had not answered.
     """
-    zygote = _lease(zygote_key(env, shipped_code), env, stop or StartStop())
+    zygote = _lease(zygote_key(env, shipped_code), env, stop or StartStop(), prepares_restarts(env))
     if zygote is not None:
         try:
             return zygote.fork(env, ctrl_fds, stop)
@@ -81,13 +83,42 @@ def start_rank(
     return ColdProcess(env, ctrl_fds)
 
 
+def warm(env: Mapping[str, str]) -> threading.Thread | None:
+    """Start, on a daemon thread, the zygote a rank with ``env`` would fork from, and leave it
+    idle in the pool (nothing to do where it runs, or with the pool off); returns at once.
+
+    For a process that will run ranks later (an executor's Python worker a restart may land
+    on): its first rank then forks instead of waiting seconds for the zygote's imports."""
+    if not _pool_enabled():
+        return None
+    key, prepared = zygote_key(env), prepares_restarts(env)
+    with _lock:
+        if key in _zygotes or key in _starting:
+            return None
+
+    def start() -> None:
+        try:
+            zygote = _lease(key, env, StartStop(), prepared)
+        except Exception:  # noqa: BLE001 - only a head start: a rank starts it if need be
+            logger.debug("sparkdist: warming the worker pool failed", exc_info=True)
+            return
+        if zygote is not None:
+            _release(zygote)  # idle, kept: the next rank of this key leases it
+
+    thread = threading.Thread(target=start, name="sparkdist-warm-pool", daemon=True)
+    thread.start()
+    return thread
+
+
 def zygote_key(env: Mapping[str, str], shipped_code: str | None = None) -> ZygoteKey:
-    """What makes zygotes differ: the interpreter and ``env``'s ``IMPORT_VARS``."""
+    """What makes zygotes differ: the interpreter, ``env``'s ``IMPORT_VARS``, and whether its
+    ranks' run checkpoints (``prepares_restarts``: a zygote that imported more)."""
     values = {name: env.get(name, "") for name in IMPORT_VARS}
     if shipped_code:
         entries = values["PYTHONPATH"].split(os.pathsep)
         values["PYTHONPATH"] = os.pathsep.join(e for e in entries if e != shipped_code)
-    return (sys.executable, *(f"{name}={value}" for name, value in values.items()))
+    prepared = (PREPARED_ARG,) if prepares_restarts(env) else ()
+    return (sys.executable, *(f"{name}={value}" for name, value in values.items()), *prepared)
 
 
 # -- the pool: zygotes by key, leased per rank ------------------------------------------------
@@ -105,7 +136,9 @@ def _pool_enabled() -> bool:
     return os.environ.get(POOL_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _lease(key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop) -> Zygote | None:
+def _lease(
+    key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop, prepared: bool
+) -> Zygote | None:
     """A live zygote for ``key`` with one more lease, started if need be; None: start cold.
 
     Raises:
@@ -143,7 +176,9 @@ def _lease(key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop) -> Zy
     try:
         if sweep:
             sweep_dead_owners(POOL_DIR_KIND)  # zygote directories of killed drivers
-        zygote = Zygote(key, import_env, on_rank_end=_release, on_stuck=_retire, stop=stop)
+        zygote = Zygote(
+            key, import_env, on_rank_end=_release, on_stuck=_retire, stop=stop, prepared=prepared
+        )
     except OSError as exc:
         logger.warning("sparkdist: no warm worker pool (%s); starting ranks cold", exc)
     finally:  # a stopped start too (StartStopped goes on up): nobody waits on it any more

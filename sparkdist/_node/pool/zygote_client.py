@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO
 
-from sparkdist._core.env import ZYGOTE_VAR
+from sparkdist._core.env import CHECKPOINT_DIR_VAR, ZYGOTE_VAR
 from sparkdist._core.files import make_owned_dir, unix_socket_address
 from sparkdist._node.pool.rank_process import (
     RankProcess,
@@ -29,6 +29,7 @@ from sparkdist._node.pool.rank_process import (
     StartStopped,
     python_command,
 )
+from sparkdist._node.pool.zygote import PREPARED_ARG
 
 #: How long a zygote may take to import torch and start listening.
 ZYGOTE_START_TIMEOUT_S = 120.0
@@ -54,6 +55,13 @@ POOL_DIR_KIND = "pool"
 ZygoteKey = tuple[str, ...]
 
 
+def prepares_restarts(env: Mapping[str, str]) -> bool:
+    """Whether a rank with ``env`` belongs to a run that checkpoints, and so may restart: its
+    zygote also holds what a restarted rank's checkpoint load and first DDP import (~1 s),
+    imported once per zygote instead of in every rank of every attempt."""
+    return bool(env.get(CHECKPOINT_DIR_VAR))
+
+
 class Zygote:
     """One zygote process, started with the import-time variables of ``import_env``;
     ``leases`` and ``retired`` belong to the pool (guarded by its lock)."""
@@ -66,8 +74,10 @@ class Zygote:
         on_rank_end: Callable[[Zygote], None],
         on_stuck: Callable[[Zygote, str], None],
         stop: StartStop | None = None,
+        prepared: bool = False,
     ) -> None:
         self.key = key
+        self.prepared = prepared  # imports ``zygote.PREPARED_MODULES`` before it is ready
         self.on_rank_end = on_rank_end  # a rank forked from it ended
         self.on_stuck = on_stuck  # it failed to answer in time
         self.leases = 0
@@ -90,7 +100,11 @@ class Zygote:
         env.update({k: import_env[k] for k in IMPORT_VARS if import_env.get(k)})
         env[ZYGOTE_VAR] = "1"
         self.process = subprocess.Popen(
-            python_command("sparkdist._node.pool.zygote", self.socket_path),
+            python_command(
+                "sparkdist._node.pool.zygote",
+                self.socket_path,
+                *([PREPARED_ARG] if self.prepared else []),
+            ),
             stdin=subprocess.PIPE,  # its end of file tells the zygote we are gone
             stdout=subprocess.PIPE,
             env=env,
