@@ -11,8 +11,9 @@ in turn); each task starts, in the background, the zygote the run's ranks would 
 minute, its zygote with it: the period keeps them.
 
 The first job waits until every task of the attempt runs (a warm task must never hold a slot
-its barrier stage waits for). A job in flight is never cancelled: a killed task's Python worker
-is killed, its zygote with it; the warmer's ``stop`` waits for it instead (moments).
+its barrier stage waits for). A job in flight is never cancelled (Spark kills the Python worker
+of a killed task, its zygote with it) nor waited for: ``stop`` returns at once, and the job's
+tasks, which return at once, end on their own.
 
 Non-goals: the zygote and its key (``_node.pool``); Connect sessions (no executor list, no RDD).
 """
@@ -36,9 +37,6 @@ logger = logging.getLogger("sparkdist")
 WARM_EVERY_S = 30.0
 #: How often the warmer looks whether every task of the attempt runs yet.
 POLL_S = 0.5
-#: How long ``stop`` waits for a warm job in flight (its tasks return at once; the first on an
-#: executor also starts Spark's Python worker there).
-STOP_WAIT_S = 10.0
 
 
 def may_restart(template: AgentSpec) -> bool:
@@ -78,10 +76,8 @@ class PoolWarmer:
         self._thread.start()
 
     def stop(self) -> None:
-        """Warm no more; return once a job in flight ended (``STOP_WAIT_S`` at most)."""
+        """Warm no more (a job in flight ends on its own)."""
         self._stopped.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(STOP_WAIT_S)
 
     def _run(self) -> None:
         ran_on: dict[int, str] = {}

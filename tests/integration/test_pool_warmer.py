@@ -53,16 +53,33 @@ def _executor_of(pid: int) -> psutil.Process | None:
     return None
 
 
-def _zygotes_under(executor: psutil.Process) -> list[psutil.Process]:
+def _zygotes_under(executor: psutil.Process, library_path: str) -> list[psutil.Process]:
+    """The zygotes of this run's import environment (``library_path``) under ``executor``."""
     found = []
     for child in executor.children(recursive=True):
         try:
             env = child.environ()
         except psutil.Error:
             continue
-        if env.get(ZYGOTE_VAR) == "1" and env.get(SESSION_MARKER) == os.environ[SESSION_MARKER]:
+        if env.get(ZYGOTE_VAR) == "1" and env.get("LD_LIBRARY_PATH") == library_path:
             if child.parent() is not None and child.parent().environ().get(ZYGOTE_VAR) != "1":
                 found.append(child)  # a zygote, not one of its spares
+    return found
+
+
+def _zygotes_elsewhere(ranks_executor: psutil.Process, library_path: str) -> list[psutil.Process]:
+    """This run's zygotes under this session's executors other than the rank's."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        try:
+            if (
+                EXECUTOR_CLASS in " ".join(process.info["cmdline"] or [])
+                and process.environ().get(SESSION_MARKER) == os.environ[SESSION_MARKER]
+                and process.pid != ranks_executor.pid
+            ):
+                found += _zygotes_under(process, library_path)
+        except psutil.Error:
+            continue  # an executor that just ended
     return found
 
 
@@ -77,29 +94,24 @@ def _wait_for(path: Path, timeout_s: float) -> dict[str, float]:
 def test_a_restart_on_an_executor_without_a_rank_forks_from_a_warm_zygote(
     spark_cluster, tmp_path: Path
 ) -> None:
-    notes = tmp_path / "notes"
+    notes, library_path = tmp_path / "notes", tmp_path / "lib"
     notes.mkdir()
+    library_path.mkdir()
     handle = Distributor(
         1,
         local_mode=False,
         use_gpu=False,
         max_restarts=1,
         checkpoint_dir=str(tmp_path / "checkpoints"),
+        # An import environment of its own: zygotes of earlier tests' runs do not count.
+        env={"LD_LIBRARY_PATH": str(library_path)},
     ).run_async(note_zygote, str(notes))
     try:
         first = _wait_for(notes / "attempt-0.json", 120)
         ranks_executor = _executor_of(int(first["zygote"]))
         assert ranks_executor is not None
-        others = [
-            p
-            for p in psutil.process_iter(["cmdline"])
-            if EXECUTOR_CLASS in " ".join(p.info["cmdline"] or [])
-            and p.environ().get(SESSION_MARKER) == os.environ[SESSION_MARKER]
-            and p.pid != ranks_executor.pid
-        ]
-        assert len(others) == 1, others
         deadline = time.monotonic() + 60
-        while not (warm := _zygotes_under(others[0])):
+        while not (warm := _zygotes_elsewhere(ranks_executor, str(library_path))):
             assert time.monotonic() < deadline, "no zygote was started on the idle executor"
             time.sleep(0.2)
         killed_at = time.time()
