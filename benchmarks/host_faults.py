@@ -20,6 +20,7 @@ Usage::
     python benchmarks/host_faults.py             # 3 runs of each, pyspark once each
     python benchmarks/host_faults.py --quick     # 1 run of each, no pyspark cut
     python benchmarks/host_faults.py --restart-only --runs 5   # the restart alone
+    python benchmarks/host_faults.py --restart-only --kill-at-step 40   # a fault ~8 s in
 
 Needs root (or user namespaces): the lab's rule, see docs/testing.md. Every byte stays inside
 the lab's namespaces.
@@ -81,7 +82,7 @@ def train(shared, steps):
 
 ended = {}
 
-def start(kind, shared, **options):
+def start(kind, shared, steps=60):
     ended.clear()
     def go():
         try:
@@ -91,7 +92,7 @@ def start(kind, shared, **options):
             elif kind == "restart":
                 sparkdist.Distributor(2, local_mode=False, use_gpu=False, max_restarts=1,
                                       checkpoint_dir=os.path.join(shared, "ckpt")).run(
-                    train, shared, 60)
+                    train, shared, steps)
             else:
                 sparkdist.Distributor(2, local_mode=False, use_gpu=False).run(waits, shared)
             ended["error"] = None
@@ -156,14 +157,14 @@ def fault_run(cluster: LabCluster, kind: str, fault: str, cap_s: float) -> dict[
     return {"seconds": seconds, "error_chars": chars, "error": error[:160]}
 
 
-def restart_run(cluster: LabCluster) -> dict[str, float]:
+def restart_run(cluster: LabCluster, kill_at_step: int) -> dict[str, float]:
     lab, driver = cluster.lab, cluster.driver
     assert driver is not None
     shared = lab.shared / f"restart-{time.monotonic_ns()}"
     shared.mkdir()
-    driver.check(f"start('restart', {str(shared)!r})")
+    driver.check(f"start('restart', {str(shared)!r}, steps={kill_at_step + 55})")
     _wait_file(shared / "first-step-0-0", 180)
-    while not (shared / "ckpt" / f"step-{5:09d}" / "COMMITTED").exists():
+    while not (shared / "ckpt" / f"step-{kill_at_step:09d}" / "COMMITTED").exists():
         time.sleep(0.02)
     victim = sorted({p["host"] for p in lab.rank_processes()})[-1]
     struck = time.time()
@@ -186,6 +187,12 @@ def main() -> None:
     parser.add_argument("--pyspark-cut-cap-s", type=float, default=150.0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--restart-only", action="store_true", help="only the restart scenario")
+    parser.add_argument(
+        "--kill-at-step",
+        type=int,
+        default=5,
+        help="the restart scenario kills a host once this step is committed (a step: ~0.2 s)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.runs = 1
@@ -204,7 +211,9 @@ def main() -> None:
                 if fault == "kill" or not args.quick:
                     cap = 120 if fault == "kill" else args.pyspark_cut_cap_s
                     figures[f"pyspark {fault}"] = [fault_run(cluster, "pyspark", fault, cap)]
-            figures["sparkdist restart"] = [restart_run(cluster) for _ in range(args.runs)]
+            figures["sparkdist restart"] = [
+                restart_run(cluster, args.kill_at_step) for _ in range(args.runs)
+            ]
         finally:
             cluster.lab.close()
     rows = []
