@@ -26,7 +26,7 @@ from tests.conftest import SESSION_MARKER, run_processes
 
 pytestmark = pytest.mark.spark
 
-ROWS = 160
+ROWS = 96
 
 
 def train(notes: str, shrunk_pause: float) -> list[int]:

@@ -109,8 +109,9 @@ def train(steps, pause, curve_dir, shrunk_pause=None, with_rows=False):
                 json.dump([world, whole.item() / world], f)
             os.replace(os.path.join(curve_dir, f"step-{step}.tmp"),
                        os.path.join(curve_dir, f"step-{step}"))
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        runtime.save_checkpoint({"model": model_state, "optimizer": optimizer_state}, step)
+        if curve_dir is not None:  # not the yardstick: its curve is all it is for
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            runtime.save_checkpoint({"model": model_state, "optimizer": optimizer_state}, step)
         if runtime.should_stop():  # a drain (to grow): this step is saved, the restart goes on
             break
         small = shrunk_pause is not None and world < runtime.requested_world_size()
