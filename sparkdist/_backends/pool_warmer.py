@@ -107,12 +107,12 @@ class PoolWarmer:
         # A group of its own: the stage's group names the attempt's newest job (the tasks'
         # executors are read from it), and cancelling the attempt must not kill these tasks.
         sc.setJobGroup(f"{self._stage_group}-warm", "sparkdist: warm pools for a restart", False)
-        template = self._template
+        run_env = dict(self._template.extra_env)  # all a zygote's key needs (not the job)
 
         def task(_: Iterator[Any]) -> Iterator[int]:
             from sparkdist._node.agent.ranks import warm_pool
 
-            warm_pool(template)
+            warm_pool(run_env)
             return iter(())
 
         try:

@@ -145,13 +145,14 @@ def node_extra_env(spec: AgentSpec, run_dir: str) -> dict[str, str]:
     return extra
 
 
-def warm_pool(spec: AgentSpec) -> None:
-    """Start, in the background, the zygote this process would fork ``spec``'s ranks from
-    (``pool.warm``), and no rank: for an executor a restart of the run may land on.
+def warm_pool(run_env: Mapping[str, str]) -> None:
+    """Start, in the background, the zygote this process would fork the ranks of a run whose
+    variables are ``run_env`` (its spec's ``extra_env``) from (``pool.warm``), and no rank: for
+    an executor a restart of the run may land on.
 
     A zygote's key reads only the import-time variables and whether the run checkpoints: the
     agent's environment and the run's variables decide both, as in ``spawn_rank``."""
-    warm({**os.environ, **spec.extra_env})
+    warm({**os.environ, **run_env})
 
 
 def spawn_rank(
