@@ -166,7 +166,8 @@ def test_a_cut_off_host_is_named_within_the_bound_and_its_ranks_end(
         assert f"host {lab.hosts[victim].address}, rank(s) 1-1" in error, error
         assert "sent nothing, not even a beat" in error, error
         assert f"rank 0 on {lab.hosts[healthy].address}" not in error.splitlines()[0], error
-        assert raised_after <= SILENCE_BOUND_S, f"raised {raised_after:.1f} s after the cut"
+        # (CI saw 35.8 s once, in ~40 runs: the error, with its timings, says which wait it was.)
+        assert raised_after <= SILENCE_BOUND_S, f"raised {raised_after:.1f} s after: {error}"
         # The cut-off host's own ranks end themselves: its agent heard the driver go silent.
         left = lab.wait_until_no_ranks(
             max(0.0, struck + SILENCE_BOUND_S + SILENT_LEFTOVER_S - time.time()), [victim]
