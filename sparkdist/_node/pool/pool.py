@@ -64,7 +64,7 @@ def start_rank(
     Raises:
         StartStopped: ``stop`` (the agent's) was set while the zygote had not answered.
     """
-    zygote = _lease(zygote_key(env, shipped_code), env, stop or StartStop(), prepares_restarts(env))
+    zygote = _lease(zygote_key(env, shipped_code), env, stop or StartStop())
     if zygote is not None:
         try:
             return zygote.fork(env, ctrl_fds, stop)
@@ -91,14 +91,14 @@ def warm(env: Mapping[str, str]) -> threading.Thread | None:
     on): its first rank then forks instead of waiting seconds for the zygote's imports."""
     if not _pool_enabled():
         return None
-    key, prepared = zygote_key(env), prepares_restarts(env)
+    key = zygote_key(env)
     with _lock:
         if key in _zygotes or key in _starting:
             return None
 
     def start() -> None:
         try:
-            zygote = _lease(key, env, StartStop(), prepared)
+            zygote = _lease(key, env, StartStop())
         except Exception:  # noqa: BLE001 - only a head start: a rank starts it if need be
             logger.debug("sparkdist: warming the worker pool failed", exc_info=True)
             return
@@ -136,9 +136,7 @@ def _pool_enabled() -> bool:
     return os.environ.get(POOL_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def _lease(
-    key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop, prepared: bool
-) -> Zygote | None:
+def _lease(key: ZygoteKey, import_env: Mapping[str, str], stop: StartStop) -> Zygote | None:
     """A live zygote for ``key`` with one more lease, started if need be; None: start cold.
 
     Raises:
@@ -176,9 +174,7 @@ def _lease(
     try:
         if sweep:
             sweep_dead_owners(POOL_DIR_KIND)  # zygote directories of killed drivers
-        zygote = Zygote(
-            key, import_env, on_rank_end=_release, on_stuck=_retire, stop=stop, prepared=prepared
-        )
+        zygote = Zygote(key, import_env, on_rank_end=_release, on_stuck=_retire, stop=stop)
     except OSError as exc:
         logger.warning("sparkdist: no warm worker pool (%s); starting ranks cold", exc)
     finally:  # a stopped start too (StartStopped goes on up): nobody waits on it any more

@@ -74,10 +74,8 @@ class Zygote:
         on_rank_end: Callable[[Zygote], None],
         on_stuck: Callable[[Zygote, str], None],
         stop: StartStop | None = None,
-        prepared: bool = False,
     ) -> None:
         self.key = key
-        self.prepared = prepared  # imports ``zygote.PREPARED_MODULES`` before it is ready
         self.on_rank_end = on_rank_end  # a rank forked from it ended
         self.on_stuck = on_stuck  # it failed to answer in time
         self.leases = 0
@@ -103,7 +101,7 @@ class Zygote:
             python_command(
                 "sparkdist._node.pool.zygote",
                 self.socket_path,
-                *([PREPARED_ARG] if self.prepared else []),
+                *([PREPARED_ARG] if PREPARED_ARG in self.key else []),  # ``pool.zygote_key``
             ),
             stdin=subprocess.PIPE,  # its end of file tells the zygote we are gone
             stdout=subprocess.PIPE,
