@@ -31,7 +31,7 @@ from sparkdist._core.launch.placement import (
 )
 from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
-from sparkdist._engine.launch import launch
+from sparkdist._engine.start import launch
 from sparkdist._node.host.gpus import visible_gpus
 from sparkdist._wire.payload import Job
 from sparkdist.distributor import Distributor, TrainObject, make_job

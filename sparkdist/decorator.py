@@ -47,7 +47,7 @@ from sparkdist._core.launch.gpu_type import GPUType
 from sparkdist._core.launch.placement import TASK_GPU_KEY
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.handle import DistributedRun, every_value
-from sparkdist._engine.launch import Launch
+from sparkdist._engine.start import StartedRun, start
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist.distributor import make_job
 
@@ -88,6 +88,8 @@ def distributed(
     system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
     straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
     straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
+    replica_groups: int = 1,
+    min_replica_groups: int = 1,
     spark: Any | None = None,
 ) -> Callable[[Callable[P, R]], DistributedFunction[P, R]]:
     """Make a function launchable on ``gpus`` processes, as Databricks' serverless GPU API does.
@@ -114,7 +116,7 @@ def distributed(
             storage_options, heartbeat_timeout_s, mlflow,
             preemption_grace_s, requirements, job_size_warn_mb, job_size_limit_mb,
             allow_oversubscribe, system_metrics_interval_s, straggler_fraction,
-            straggler_window_s: as on ``Distributor``.
+            straggler_window_s, replica_groups, min_replica_groups: as on ``Distributor``.
         spark: the SparkSession to use (default: the active one). It is not pickled with the
             function; an unpickled function uses the active session.
 
@@ -283,13 +285,13 @@ class DistributedFunction(Generic[P, R]):
         """
         return DistributedRun(self._start(args, kwargs), every_value)
 
-    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Launch:
-        launch = Launch(self.config, make_job(self.__wrapped__, args, kwargs), session=self.spark)
+    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StartedRun:
+        launch = start(self.config, make_job(self.__wrapped__, args, kwargs), session=self.spark)
         with launch.cancel_on_exception():  # a failing log handler must not orphan the ranks
             self._warn_if_cpu(launch)
         return launch
 
-    def _warn_if_cpu(self, launch: Launch) -> None:
+    def _warn_if_cpu(self, launch: StartedRun) -> None:
         if (
             self.config.use_gpu is None
             and self.config.gpu_type is None

@@ -35,8 +35,8 @@ from sparkdist._core.launch.plan import LaunchPlan
 from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
 from sparkdist._engine.handle import DistributedRun, rank0_value
-from sparkdist._engine.launch import Launch, launch
 from sparkdist._engine.prepare import prepare
+from sparkdist._engine.start import launch, start
 from sparkdist._tracking.mlflow_store import prewarm
 from sparkdist._wire.payload import Job, TargetKind
 
@@ -127,6 +127,16 @@ class Distributor:
             warning line and an MLflow tag, with its node and GPU, once per episode; 0 turns
             detection off.
         straggler_window_s: how long, in seconds, a rank must stay behind to be named.
+        replica_groups: split the ranks into this many torchft replica groups of
+            ``num_processes / replica_groups`` ranks, each its own barrier stage (local mode:
+            its own processes) with its ranks numbered inside the group, and one torchft
+            Lighthouse on the driver for the run. A group that loses a host or a rank is
+            relaunched (``max_restarts`` times per group) while the others go on; it heals from
+            a live peer. Ranks build torchft's ``Manager`` with
+            ``runtime.torchft_manager_kwargs(pg)`` and average with
+            ``runtime.average_gradients`` (docs/modes.md). Needs ``sparkdist[torchft]``.
+        min_replica_groups: the fewest live replica groups a step may be taken with (the
+            Lighthouse's quorum floor).
         spark: the SparkSession to use (default: the active one; Spark mode creates one if
             there is none, local mode needs none). A Spark Connect session works too.
 
@@ -173,6 +183,8 @@ class Distributor:
         system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S,
         straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION,
         straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S,
+        replica_groups: int = 1,
+        min_replica_groups: int = 1,
         spark: Any | None = None,
     ) -> None:
         # Every keyword but ``spark`` is an option of the table (``_core.config.OPTIONS``), under
@@ -270,7 +282,7 @@ class Distributor:
             >>> [run.result(timeout=600) for run in runs]  # rank 0's values  # doctest: +SKIP
         """
         try:
-            started = Launch(
+            started = start(
                 self.config,
                 make_job(train_object, args, kwargs),
                 session=self.spark,

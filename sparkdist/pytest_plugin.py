@@ -466,10 +466,10 @@ class DistributedRunner:
         """Like calling the runner, but return the whole ``RunResult``."""
         __tracebackhide__ = True
         from sparkdist._core.errors import RunTimeoutError, SparkdistError
-        from sparkdist._engine.launch import Launch
+        from sparkdist._engine.start import start
         from sparkdist.distributor import make_job
 
-        run = Launch(self.config, make_job(train_object, args, kwargs), session=self.spark)
+        run = start(self.config, make_job(train_object, args, kwargs), session=self.spark)
         self.run_ids.append(run.run_id)
         try:
             # The engine enforces timeout_s itself; the margin only guards against a stop

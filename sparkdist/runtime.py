@@ -36,6 +36,12 @@ from sparkdist._core.env import (
 from sparkdist._core.world import global_rank, initialized_dist, int_env, uses_cuda, world_size
 from sparkdist._node.rank.mesh import device_mesh, get_replica_rank
 from sparkdist._node.rank.preemption import on_preemption, should_stop
+from sparkdist._node.rank.replica_groups import (
+    average_gradients,
+    num_replica_groups,
+    replica_group,
+    torchft_manager_kwargs,
+)
 
 if TYPE_CHECKING:  # torch is only imported by the helpers that need it
     import torch
@@ -43,6 +49,7 @@ if TYPE_CHECKING:  # torch is only imported by the helpers that need it
 
 __all__ = [
     "Checkpoint",
+    "average_gradients",
     "backend",
     "checkpoint_dir",
     "deepspeed_config",
@@ -59,12 +66,15 @@ __all__ = [
     "is_main_process",
     "load_checkpoint",
     "mode",
+    "num_replica_groups",
     "on_preemption",
+    "replica_group",
     "report",
     "requested_world_size",
     "restart_count",
     "save_checkpoint",
     "should_stop",
+    "torchft_manager_kwargs",
 ]
 
 logger = logging.getLogger("sparkdist")
@@ -200,7 +210,8 @@ def deepspeed_config() -> dict[str, Any] | None:
 
 
 def restart_count() -> int:
-    """How many times this run was restarted before this attempt (0 on the first)."""
+    """How many times this run was restarted before this attempt (0 on the first); in a
+    replica-group run, how many times this rank's own group was relaunched."""
     return int_env("TORCHELASTIC_RESTART_COUNT", 0)
 
 

@@ -38,6 +38,11 @@ RANKS_PER_HOST_VAR = "SPARKDIST_RANKS_PER_HOST"
 PARENT_PID_VAR = "SPARKDIST_PARENT_PID"
 
 DEEPSPEED_CONFIG_VAR = "SPARKDIST_DEEPSPEED_CONFIG"
+#: A replica-group run's torchft variables (``replica_groups``), under torchft's own names: the
+#: driver's Lighthouse, this rank's group, and how many groups the run has.
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_VAR = "REPLICA_GROUP_ID"
+NUM_REPLICA_GROUPS_VAR = "NUM_REPLICA_GROUPS"
 CHECKPOINT_DIR_VAR = "SPARKDIST_CHECKPOINT_DIR"
 #: ``storage_options=`` for an object-store ``checkpoint_dir``, as JSON (never credentials).
 STORAGE_OPTIONS_VAR = "SPARKDIST_STORAGE_OPTIONS"
@@ -132,6 +137,9 @@ LAUNCHER_VARS = frozenset(
         GPU_VAR,
         RANKS_PER_HOST_VAR,
         DEEPSPEED_CONFIG_VAR,
+        LIGHTHOUSE_VAR,
+        REPLICA_GROUP_VAR,
+        NUM_REPLICA_GROUPS_VAR,
         CHECKPOINT_DIR_VAR,
         STORAGE_OPTIONS_VAR,
         REQUESTED_WORLD_SIZE_VAR,
@@ -211,6 +219,9 @@ _OWNED_HINTS = {
     "MASTER_ADDR": "rank 0's host is the rendezvous address",
     "PYTHONUNBUFFERED": "every rank already runs unbuffered",
     "WORLD_SIZE": "the world size is num_processes",
+    LIGHTHOUSE_VAR: "replica_groups=R starts a Lighthouse for the run and tells every rank",
+    REPLICA_GROUP_VAR: "replica_groups=R numbers the groups and tells every rank its own",
+    NUM_REPLICA_GROUPS_VAR: "the number of replica groups is replica_groups",
 }
 
 

@@ -129,6 +129,8 @@ class Attempt:
             back: ``grow_after_s``); "" when it did not. Grows use no ``max_restarts`` and are
             no preemptions.
         world_size: how many ranks it ran (0 where not known).
+        replica_group: in a replica-group run (``replica_groups``), the group it was an
+            attempt of (its ``number`` counts that group's attempts); None otherwise.
     """
 
     number: int
@@ -139,10 +141,12 @@ class Attempt:
     progressed: bool = False
     grew: str = ""
     world_size: int = 0
+    replica_group: int | None = None
 
     def summary(self) -> str:
         """One line: ``attempt 1 (on 10.0.0.2, 10.0.0.3) failed first at rank 1 on ...``."""
-        head = f"attempt {self.number} (on {', '.join(self.hosts) or 'no host'})"
+        group = "" if self.replica_group is None else f"replica group {self.replica_group} "
+        head = f"{group}attempt {self.number} (on {', '.join(self.hosts) or 'no host'})"
         if self.grew:
             return f"{head} drained to grow: {self.grew}"
         if self.preempted:

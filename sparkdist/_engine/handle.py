@@ -17,7 +17,7 @@ from typing import Any, Generic, TypeVar
 from sparkdist._core.errors import SparkdistError
 from sparkdist._core.run.result import RunResult
 from sparkdist._core.tracebacks import for_the_user
-from sparkdist._engine.launch import Launch
+from sparkdist._engine.start import StartedRun
 
 __all__ = ["DistributedRun", "every_value", "rank0_value"]
 
@@ -51,7 +51,7 @@ class DistributedRun(Generic[T]):
         True
     """
 
-    def __init__(self, launch: Launch, pick: Callable[[RunResult], T]) -> None:
+    def __init__(self, launch: StartedRun, pick: Callable[[RunResult], T]) -> None:
         self._launch = launch
         self._pick = pick
 

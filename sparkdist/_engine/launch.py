@@ -32,6 +32,7 @@ from sparkdist._core.errors import Attempt, WorkerFailedError
 from sparkdist._core.files import make_private_dirs
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY, Placement
+from sparkdist._core.launch.replica_groups import ReplicaGroup
 from sparkdist._core.object_store import encode_options, scheme_of
 from sparkdist._core.run.attempts import (
     attempt_of,
@@ -71,10 +72,17 @@ class Launch:
         session: Any | None = None,
         ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
         dataframe: Any | None = None,
+        replica_group: ReplicaGroup | None = None,
     ) -> None:
         prepared = prepare(
-            config, job, session=session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe
+            config,
+            job,
+            session=session,
+            ignore_ssl_key=ignore_ssl_key,
+            dataframe=dataframe,
+            extra_env=replica_group.env() if replica_group is not None else {},
         )
+        self.replica_group = replica_group
         self.run_id = prepared.run_id
         self.config = config
         self.plan = prepared.plan
@@ -86,8 +94,9 @@ class Launch:
         placement = self.placement
         settings = ", ".join(f"{k}={v}" for k, v in config.mode_settings().items())
         logger.info(
-            "sparkdist: run %s: %s on %d process(es) (%s), %s, %d task(s)",
+            "sparkdist: run %s%s: %s on %d process(es) (%s), %s, %d task(s)",
             self.run_id,
+            f" ({replica_group.name})" if replica_group is not None else "",
             job.name,
             placement.world_size,
             settings,
@@ -121,7 +130,7 @@ class Launch:
             # Interrupted after the agents started: the supervisor stops them and cleans up.
             if supervisor.ident is None:
                 supervisor.start()
-            self.cancel(_interruption(exc))
+            self.cancel(interruption(exc))
             raise
 
     def _start_attempt(self, restart_count: int) -> None:
@@ -194,13 +203,19 @@ class Launch:
                         outcomes, attempt.monitor, self.run_id, self.config, attempt.placement
                     )
                     if not state.was_preempted:  # after a drain, what ranks return is no result
-                        history.append(attempt_of(state, len(history)))
+                        history.append(self._tagged(attempt_of(state, len(history))))
                         self._result = dataclasses.replace(done, attempts=history)
                         return
                 except WorkerFailedError as failed:
                     if not state.was_preempted:
-                        history.append(attempt_of(state, len(history), failed.root_cause))
-                        final = final_error(history, failed, self.config.max_restarts)
+                        attempt_failed = attempt_of(state, len(history), failed.root_cause)
+                        history.append(self._tagged(attempt_failed))
+                        final = final_error(
+                            history,
+                            failed,
+                            self.config.max_restarts,
+                            replica_group=self.replica_group is not None,
+                        )
                         if final is not None:
                             raise final from failed.__cause__
                 except Exception:
@@ -209,12 +224,16 @@ class Launch:
                 finally:
                     attempt.close()
                 if (grown := attempt_of(state, len(history), grow=attempt.grow_notice)).grew:
-                    history.append(grown)
+                    history.append(self._tagged(grown))
                     restart = "restarting at the larger world (not counted in max_restarts)"
                 elif state.was_preempted:  # restarted without using max_restarts
                     progressed = self._checkpoint_step() not in (None, attempt.started_from)
                     history.append(
-                        dataclasses.replace(attempt_of(state, len(history)), progressed=progressed)
+                        self._tagged(
+                            dataclasses.replace(
+                                attempt_of(state, len(history)), progressed=progressed
+                            )
+                        )
                     )
                     if (too_many := preemption_error(history)) is not None:
                         raise too_many
@@ -226,7 +245,7 @@ class Launch:
                     raise concurrent.futures.CancelledError(self._cancel_reason)
                 logger.warning(
                     "sparkdist: run %s %s; %s", self.run_id, history[-1].summary(), restart
-                )
+                )  # a replica group's attempt names its group (Attempt.summary)
                 if give_up := nodes_to_give_up(history, state.node_hosts, set(state.lost)):
                     self._backend.give_up_nodes(give_up)
                 with self._lock:
@@ -239,6 +258,12 @@ class Launch:
             self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()
+
+    def _tagged(self, attempt: Attempt) -> Attempt:
+        """``attempt``, named by its replica group in a replica-group run."""
+        if self.replica_group is None:
+            return attempt
+        return dataclasses.replace(attempt, replica_group=self.replica_group.index)
 
     def _checkpoint_step(self) -> int | None:
         """The run's newest committed checkpoint step, where the driver can see it."""
@@ -289,11 +314,14 @@ class Launch:
         disposition is put back and the signal delivered again (the process ends with it, or
         the caller's own handler runs; else this raises ``CancelledError``).
         """
-        with self.cancel_on_exception(), notices_during((SIGTERM,), self._drain, "sparkdist-drain"):
+        with (
+            self.cancel_on_exception(),
+            notices_during((SIGTERM,), self.drain_for_signal, "sparkdist-drain"),
+        ):
             self._done.wait()
         return self.result(0)
 
-    def _drain(self, signum: int) -> None:
+    def drain_for_signal(self, signum: int) -> None:
         """SIGTERM to the driver while it waits on its main thread (``wait``): drain every
         rank, restart nothing; ``wait`` then delivers the signal again, to end the process as
         its sender meant (or run the handler the caller had)."""
@@ -313,7 +341,7 @@ class Launch:
         try:
             yield
         except BaseException as exc:
-            self.cancel(_interruption(exc))
+            self.cancel(interruption(exc))
             raise
 
     def cancel(self, reason: str = "the run was cancelled") -> bool:
@@ -368,29 +396,7 @@ class _Attempt:
             warn_lines_dropped(self.monitor.dropped)
 
 
-def launch(
-    config: LaunchConfig,
-    job: Job,
-    *,
-    session: Any | None = None,
-    ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
-    dataframe: Any | None = None,
-) -> RunResult:
-    """Run ``job`` on ``config.num_processes`` ranks and return every rank's value.
-
-    Raises:
-        ConfigError, ClusterError: before anything starts.
-        WorkerFailedError: a rank failed (every other rank has been stopped).
-        RendezvousError: a rank did not join within ``config.start_timeout_s``.
-        RunTimeoutError: the run took longer than ``config.timeout_s``.
-        KeyboardInterrupt, or any exception raised into the waiting thread: unchanged, after
-            every rank and everything it started was stopped (and the Spark job cancelled).
-    """
-    run = Launch(config, job, session=session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe)
-    return run.wait()
-
-
-def _interruption(exc: BaseException) -> str:
+def interruption(exc: BaseException) -> str:
     """Why a run is cancelled when ``exc`` interrupted the thread waiting for it."""
     if isinstance(exc, KeyboardInterrupt):
         return "the driver was interrupted (Ctrl-C)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +51,13 @@ def prepare(
     session: Any | None = None,
     ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
     dataframe: Any | None = None,
+    extra_env: Mapping[str, str] = {},
 ) -> PreparedLaunch:
     """Validate, pickle, place and plan a run on the caller's thread; start nothing.
 
     Everything that can be refused is refused here (``sparkdist run --dry-run`` stops here and
-    prints ``plan.describe()``).
+    prints ``plan.describe()``). ``extra_env``: variables the launcher sets for every rank
+    besides its own (a replica group's torchft variables).
     """
     backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key, dataframe=dataframe)
     recorder = ModuleRecorder()
@@ -89,6 +92,7 @@ def prepare(
         **backend.rank_env(config),
         **config.env,
         REQUESTED_WORLD_SIZE_VAR: str(config.num_processes),
+        **extra_env,
     }
     if config.checkpoint_dir is not None:
         extra_env[CHECKPOINT_DIR_VAR] = config.checkpoint_dir

@@ -121,7 +121,7 @@ def test_use_gpu_without_task_gpu_conf_names_the_conf_key(spark_local):
 
 def test_gpu_type_is_checked_on_the_executors_before_any_rank_starts(spark_local):
     from sparkdist._core.launch.config import LaunchConfig
-    from sparkdist._engine.launch import launch
+    from sparkdist._engine.start import launch
     from sparkdist.distributor import make_job
 
     config = LaunchConfig(num_processes=2, local_mode=False, gpu_type="h100")

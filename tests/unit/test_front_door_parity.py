@@ -103,6 +103,8 @@ EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "system_metrics_interval_s": (0.0, {}),
     "straggler_fraction": (0.5, {}),
     "straggler_window_s": (5.0, {}),
+    "replica_groups": (2, {"num_processes": 4}),
+    "min_replica_groups": (2, {"num_processes": 4, "replica_groups": 3}),
 }
 
 

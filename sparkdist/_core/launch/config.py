@@ -37,6 +37,7 @@ from sparkdist._core.launch.checks import (
     shown,
 )
 from sparkdist._core.launch.gpu_type import GPUType
+from sparkdist._core.launch.replica_groups import check_replica_groups
 from sparkdist._core.object_store import check_storage_options, scheme_of
 from sparkdist._core.run.stragglers import (
     DEFAULT_STRAGGLER_FRACTION as DEFAULT_STRAGGLER_FRACTION,  # re-exported: an option's default
@@ -109,7 +110,8 @@ class LaunchConfig:
             on the hosts that run the ranks before any rank starts.
         deepspeed_config: the DeepSpeed config (already parsed; see ``load_deepspeed_config``),
             only with mode "deepspeed".
-        max_restarts: how many times a failed run is restarted, whole world at once.
+        max_restarts: how many times a failed run is restarted, whole world at once (with
+            ``replica_groups``, how many times each group is relaunched).
         checkpoint_dir: an absolute directory path every rank can reach (shared storage on a
             cluster), for ``runtime.save_checkpoint`` / ``runtime.load_checkpoint``; a
             ``file://`` URL or Databricks' ``dbfs:/`` (its ``/dbfs`` mount) is taken, any other
@@ -139,6 +141,11 @@ class LaunchConfig:
         straggler_fraction: a rank whose steps/s stay below this fraction of the median for
             ``straggler_window_s`` is named a straggler (0 turns detection off).
         straggler_window_s: how long a rank must stay behind to be named.
+        replica_groups: how many torchft replica groups the ranks form (``num_processes`` /
+            ``replica_groups`` ranks each), each its own barrier stage; a lost group is
+            relaunched (up to ``max_restarts`` times, per group) while the others go on.
+        min_replica_groups: the fewest live groups a step may be taken with (the Lighthouse's
+            quorum floor).
     """
 
     num_processes: int = 1
@@ -165,6 +172,8 @@ class LaunchConfig:
     system_metrics_interval_s: float = DEFAULT_SYSTEM_METRICS_INTERVAL_S
     straggler_fraction: float = DEFAULT_STRAGGLER_FRACTION
     straggler_window_s: float = DEFAULT_STRAGGLER_WINDOW_S
+    replica_groups: int = 1
+    min_replica_groups: int = 1
 
     def __post_init__(self) -> None:
         check_positive_int("num_processes", self.num_processes)
@@ -236,6 +245,13 @@ class LaunchConfig:
         _check_number("system_metrics_interval_s", self.system_metrics_interval_s, "seconds, >= 0")
         _check_number("straggler_fraction", self.straggler_fraction, "in [0, 1)", below=1.0)
         check_positive_seconds("straggler_window_s", self.straggler_window_s)
+        check_replica_groups(
+            num_processes=self.num_processes,
+            replica_groups=self.replica_groups,
+            min_replica_groups=self.min_replica_groups,
+            min_processes=self.min_processes,
+            mode=self.mode.value,
+        )
         check_local_cpu_ranks(
             self.num_processes,
             local_mode=self.local_mode,
@@ -494,6 +510,17 @@ OPTIONS: tuple[Option, ...] = (
         "straggler_window_s",
         "how long a rank must stay below straggler_fraction of the median to be named",
         _cli("--straggler-window", kind=CliKind.SECONDS, metavar="SECONDS"),
+    ),
+    Option(
+        "replica_groups",
+        "torchft replica groups: split the ranks into this many groups; a lost group is "
+        "relaunched while the others go on",
+        _cli("--replica-groups", kind=CliKind.POSITIVE_COUNT, metavar="R"),
+    ),
+    Option(
+        "min_replica_groups",
+        "torchft replica groups: the fewest live groups a step may be taken with",
+        _cli("--min-replica-groups", kind=CliKind.POSITIVE_COUNT, metavar="R"),
     ),
 )
 

@@ -21,6 +21,10 @@ ran on and how it ended) (pure).
   back before any progress would restart it forever); a run that checkpoints between
   preemptions goes on however often it is preempted.
 
+- in a replica-group run (``replica_groups``), a group whose last two attempts failed with the
+  same exception (type and message) is not relaunched again: a lost host fails with no
+  exception of the user's, and a bug in the user's code fails the same way every time.
+
 Non-goals: running the attempts (``_engine.launch``), finding the root cause (``run_state``).
 """
 
@@ -52,6 +56,23 @@ def start_failures_stop(attempts: Sequence[Attempt]) -> str | None:
             "a node fails the same way each time); fix the cause and launch again"
         )
     return None
+
+
+def repeated_failure_stop(attempts: Sequence[Attempt]) -> str | None:
+    """Why a replica group may not be relaunched after ``attempts``: its last two failed with
+    the same exception of the user's code; None otherwise (a host lost raises none)."""
+    if len(attempts) < 2:
+        return None
+    first, second = attempts[-2].failure, attempts[-1].failure
+    if first is None or second is None:
+        return None
+    if not first.exc_type or (first.exc_type, first.message) != (second.exc_type, second.message):
+        return None
+    return (
+        f"not relaunched again: its last two attempts failed with the same {second.exc_type} "
+        "(a fault in the training code fails the same way each time, where a lost host "
+        "raises nothing); every other replica group was stopped"
+    )
 
 
 def failed_attempts(attempts: Sequence[Attempt]) -> int:
@@ -113,11 +134,18 @@ def attempt_of(
 
 
 def final_error(
-    history: Sequence[Attempt], failed: WorkerFailedError, max_restarts: int
+    history: Sequence[Attempt],
+    failed: WorkerFailedError,
+    max_restarts: int,
+    *,
+    replica_group: bool = False,
 ) -> WorkerFailedError | None:
     """The error the run ends with after ``failed`` (the last attempt of ``history``), or None
-    when it restarts: with every attempt and its hosts once there were several."""
+    when it restarts: with every attempt and its hosts once there were several.
+    ``replica_group``: ``history`` is one replica group's (``repeated_failure_stop``)."""
     stop = start_failures_stop(history)
+    if stop is None and replica_group:
+        stop = repeated_failure_stop(history)
     budget_left = failed_attempts(history) <= max_restarts
     if budget_left and stop is None:
         return None

@@ -1,0 +1,166 @@
+"""Replica groups (torchft): how a run of R groups is split, what each group's ranks are told,
+and how the groups' results make the run's (pure).
+
+A run with ``replica_groups=R`` is R groups of ``num_processes / R`` ranks. Each group is a run
+of its own (its own barrier stage, store, channel and restarts: ``_engine.replica_groups``);
+torchft's Lighthouse, on the driver, forms a quorum of the live groups at every step, and a
+group that is lost and relaunched heals from a live peer. Here: the checks of the options, the
+group's torchft variables and identity, and the merge of the groups' results.
+
+Non-goals: starting anything (``_engine.replica_groups``, ``_engine.lighthouse``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from sparkdist._core.env import (
+    HOST_VAR,
+    LIGHTHOUSE_VAR,
+    NUM_REPLICA_GROUPS_VAR,
+    REPLICA_GROUP_VAR,
+)
+from sparkdist._core.errors import ConfigError
+from sparkdist._core.launch.checks import check_positive_int
+from sparkdist._core.run.result import RankTimeline, RunResult
+
+#: torchft numbers a rank across groups from the trailing digits of its group's replica id
+#: (``Manager._global_rank``), so the id ends in the group's index.
+REPLICA_ID_PREFIX = "replica_group_"
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """One group of a replica-group run.
+
+    Attributes:
+        index: the group's number, 0 first.
+        count: how many groups the run has.
+        lighthouse: the run's Lighthouse, as every rank reaches it (``http://ADDRESS:PORT``).
+    """
+
+    index: int
+    count: int
+    lighthouse: str
+
+    @property
+    def replica_id(self) -> str:
+        """The group's replica id for torchft's ``Manager``."""
+        return f"{REPLICA_ID_PREFIX}{self.index}"
+
+    @property
+    def name(self) -> str:
+        """The group as logs and errors name it: ``replica group 1 of 3``."""
+        return f"replica group {self.index} of {self.count}"
+
+    def env(self) -> dict[str, str]:
+        """torchft's variables for every rank of the group."""
+        return {
+            LIGHTHOUSE_VAR: self.lighthouse,
+            REPLICA_GROUP_VAR: str(self.index),
+            NUM_REPLICA_GROUPS_VAR: str(self.count),
+        }
+
+
+def check_replica_groups(
+    *,
+    num_processes: int,
+    replica_groups: int,
+    min_replica_groups: int,
+    min_processes: int | None,
+    mode: str,
+) -> None:
+    """Refuse replica-group options that cannot work, naming the option and what works."""
+    check_positive_int("replica_groups", replica_groups)
+    check_positive_int("min_replica_groups", min_replica_groups)
+    if min_replica_groups > replica_groups:
+        raise ConfigError(
+            f"min_replica_groups={min_replica_groups} is more than replica_groups="
+            f"{replica_groups}; pass min_replica_groups between 1 and {replica_groups} (the "
+            "fewest live groups a step may be taken with)"
+        )
+    if replica_groups == 1:
+        return
+    if num_processes % replica_groups:
+        raise ConfigError(
+            f"num_processes={num_processes} does not split into replica_groups="
+            f"{replica_groups} groups of equal size; pass a num_processes that is a multiple "
+            f"of {replica_groups} (each group runs num_processes / replica_groups ranks)"
+        )
+    if min_processes is not None:
+        raise ConfigError(
+            f"min_processes={min_processes} with replica_groups={replica_groups}: a replica "
+            "group's size is fixed, and a lost group is relaunched while the others go on; "
+            "drop min_processes (or replica_groups, for an elastic world restarted whole)"
+        )
+    if mode == "deepspeed":
+        raise ConfigError(
+            f"mode='deepspeed' with replica_groups={replica_groups}: torchft's replica groups "
+            "average plain PyTorch gradients (DDP, or FSDP inside a group); use mode='ddp' or "
+            "'fsdp', or drop replica_groups"
+        )
+
+
+def group_checkpoint_dir(checkpoint_dir: str, index: int) -> str:
+    """Group ``index``'s own checkpoint directory under the run's ``checkpoint_dir``: every
+    group saves the same weights, and two groups must never write one checkpoint."""
+    return f"{checkpoint_dir.rstrip('/')}/{REPLICA_ID_PREFIX}{index}"
+
+
+def merged_result(results: Sequence[RunResult]) -> RunResult:
+    """The run's result from its groups' (group 0 first): every rank's value ordered by
+    (group, rank), every group's attempts, group 0's run id, MLflow run and metrics."""
+    first = results[0]
+    offsets = _rank_offsets([len(r.values) for r in results])
+    timeline: list[RankTimeline] = [
+        dataclasses.replace(t, rank=t.rank + offset)
+        for result, offset in zip(results, offsets, strict=True)
+        for t in result.timeline
+    ]
+    return dataclasses.replace(
+        first,
+        values=[v for r in results for v in r.values],
+        wall_times_s=[w for r in results for w in r.wall_times_s],
+        hosts=[h for r in results for h in r.hosts],
+        num_tasks=sum(r.num_tasks for r in results),
+        dropped_lines=sum(r.dropped_lines for r in results),
+        timeline=timeline,
+        system_samples=[s for r in results for s in r.system_samples],
+        attempts=[a for r in results for a in r.attempts],
+    )
+
+
+def _rank_offsets(sizes: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += size
+    return offsets
+
+
+def manager_kwargs(env: Mapping[str, str]) -> dict[str, object]:
+    """What torchft's ``Manager`` needs beyond the model and its transport, from a rank's
+    environment (``runtime.torchft_manager_kwargs``).
+
+    Raises:
+        RuntimeError: the rank is not in a replica-group run.
+    """
+    group = env.get(REPLICA_GROUP_VAR)
+    if group is None or LIGHTHOUSE_VAR not in env:
+        raise RuntimeError(
+            "this rank is not in a replica-group run: torchft's variables are set for runs "
+            "started with replica_groups=R (Distributor(..., replica_groups=R))"
+        )
+    return {
+        "replica_id": f"{REPLICA_ID_PREFIX}{int(group)}",
+        "lighthouse_addr": env[LIGHTHOUSE_VAR],
+        # torchft advertises socket.gethostname() by default, loopback on many hosts: this
+        # node's address, as the driver reached it, is what the other groups can reach.
+        "hostname": env[HOST_VAR],
+        "store_addr": env["MASTER_ADDR"],
+        "store_port": int(env["MASTER_PORT"]),
+        "rank": int(env["RANK"]),
+        "world_size": int(env["WORLD_SIZE"]),
+    }

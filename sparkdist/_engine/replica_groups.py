@@ -1,0 +1,230 @@
+"""A replica-group run (torchft): R groups side by side, one Lighthouse, no world restart.
+
+``GroupedLaunch`` starts the run's Lighthouse on the driver, then one ``Launch`` per group: each
+its own barrier stage (local mode: its own processes) with its own store, channel, secret and
+restarts, its ranks numbered inside the group as torchft expects, and torchft's variables set
+(``_core.launch.replica_groups.ReplicaGroup``). A group that loses a host or a rank fails and is
+relaunched by its own ``Launch`` (``max_restarts`` per group), on the capacity there is, while
+the other groups go on; the relaunched group joins the next quorum and heals from a live peer.
+A group that ends with an error (its relaunches spent, the same exception twice, a start that
+cannot work) ends the run: every other group is stopped and its error is raised, naming the
+group. The run's result is every group's, merged (``merged_result``).
+
+It offers what ``Launch`` offers (``wait``, ``result``, ``done``, ``cancel``...), so every front
+door takes either (``_engine.start``).
+
+Non-goals: the rank side of torchft (the user's ``Manager``; ``runtime.torchft_manager_kwargs``),
+one group's attempts (``_engine.launch``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Iterator
+from signal import SIGTERM
+from typing import Any
+
+from sparkdist._backends.choose import select_backend
+from sparkdist._core.errors import ConfigError, WorkerFailedError
+from sparkdist._core.launch.config import LaunchConfig
+from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY, Placement
+from sparkdist._core.launch.replica_groups import (
+    ReplicaGroup,
+    group_checkpoint_dir,
+    merged_result,
+)
+from sparkdist._core.run.result import RunResult
+from sparkdist._engine.launch import Launch, interruption
+from sparkdist._engine.lighthouse import Lighthouse, check_torchft
+from sparkdist._node.host.signal_notice import notices_during
+from sparkdist._wire.payload import Job
+
+logger = logging.getLogger("sparkdist")
+
+#: How often the watcher looks at the groups (a group's end is seen within this).
+_POLL_S = 0.1
+
+
+def group_config(config: LaunchConfig, index: int) -> LaunchConfig:
+    """Group ``index``'s own config: its share of the ranks, its own checkpoint directory."""
+    return dataclasses.replace(
+        config,
+        num_processes=config.num_processes // config.replica_groups,
+        replica_groups=1,
+        min_replica_groups=1,
+        checkpoint_dir=(
+            group_checkpoint_dir(config.checkpoint_dir, index)
+            if config.checkpoint_dir is not None
+            else None
+        ),
+    )
+
+
+class GroupedLaunch:
+    """A started replica-group run: wait for it, poll it, or cancel it (every group)."""
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        job: Job,
+        *,
+        session: Any | None = None,
+        ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
+        dataframe: Any | None = None,
+    ) -> None:
+        if dataframe is not None:
+            raise ConfigError(
+                f"spark_dataframe with replica_groups={config.replica_groups}: each replica "
+                "group trains on its own data, which sparkdist does not split across groups "
+                "yet; read the data inside the training function (by runtime's replica group), "
+                "or drop replica_groups"
+            )
+        check_torchft()
+        self.config = config
+        backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key)
+        self._lighthouse = Lighthouse(backend.driver_host, config.min_replica_groups)
+        self._groups: list[Launch] = []
+        try:
+            for index in range(config.replica_groups):
+                group = ReplicaGroup(index, config.replica_groups, self._lighthouse.address)
+                self._groups.append(
+                    Launch(
+                        group_config(config, index),
+                        job,
+                        session=session,
+                        ignore_ssl_key=ignore_ssl_key,
+                        replica_group=group,
+                    )
+                )
+        except BaseException as exc:
+            self._stop_groups(interruption(exc))
+            self._lighthouse.close()
+            raise
+        first = self._groups[0]
+        self.run_id = first.run_id
+        self.plan = first.plan
+        self.placement: Placement = first.placement
+        self._result: RunResult | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._cancel_reason = "the run was cancelled"
+        threading.Thread(
+            target=self._watch, name=f"sparkdist-groups-{self.run_id}", daemon=True
+        ).start()
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """Group 0's MLflow run (each group tracks its own)."""
+        return self._groups[0].mlflow_run_id
+
+    def _watch(self) -> None:
+        """Wait for every group; the first to end with an error ends the others."""
+        try:
+            while not self._cancelled.is_set():
+                failed = next((g for g in self._groups if g.done() and _error_of(g)), None)
+                if failed is not None:
+                    self._fail(failed)
+                    return
+                if all(g.done() for g in self._groups):
+                    self._result = merged_result([g.result(0) for g in self._groups])
+                    return
+                self._cancelled.wait(_POLL_S)
+            self._stop_groups(self._cancel_reason)
+            self._error = concurrent.futures.CancelledError(self._cancel_reason)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            self._stop_groups(interruption(exc))
+            self._error = exc
+        finally:
+            self._lighthouse.close()
+            self._done.set()
+
+    def _fail(self, failed: Launch) -> None:
+        group = failed.replica_group
+        assert group is not None
+        error = _error_of(failed)
+        assert error is not None
+        logger.error(
+            "sparkdist: run %s: %s ended the run; stopping the other groups",
+            self.run_id,
+            group.name,
+        )
+        self._stop_groups(f"{group.name} failed")
+        if isinstance(error, WorkerFailedError):
+            note = f"{group.name} failed, and every other group was stopped"
+            error = WorkerFailedError(
+                error.failures,
+                error.root_cause,
+                error.attempts,
+                error.history,
+                f"{error.note}; {note}" if error.note else note,
+            )
+        self._error = error
+
+    def _stop_groups(self, reason: str) -> None:
+        """Cancel every group still running, side by side (each waits for its own ranks)."""
+        stoppers = [
+            threading.Thread(target=g.cancel, args=(reason,), daemon=True)
+            for g in self._groups
+            if not g.done()
+        ]
+        for stopper in stoppers:
+            stopper.start()
+        for stopper in stoppers:
+            stopper.join()
+
+    def done(self) -> bool:
+        """True once every group ended (every rank has exited)."""
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> RunResult:
+        """Wait for the run and return every group's ranks' values, or raise its error."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"run {self.run_id} still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def wait(self) -> RunResult:
+        """``Launch.wait`` for every group: SIGTERM on the main thread drains every group."""
+        with self.cancel_on_exception(), notices_during((SIGTERM,), self._drain, "sparkdist-drain"):
+            self._done.wait()
+        return self.result(0)
+
+    def _drain(self, signum: int) -> None:
+        for group in self._groups:
+            group.drain_for_signal(signum)
+
+    @contextlib.contextmanager
+    def cancel_on_exception(self) -> Iterator[None]:
+        """Cancel every group when the block raises anything, then let it go on unchanged."""
+        try:
+            yield
+        except BaseException as exc:
+            self.cancel(interruption(exc))
+            raise
+
+    def cancel(self, reason: str = "the run was cancelled") -> bool:
+        """Stop every rank of every group and wait until they are gone; False if it had
+        already ended."""
+        if self._done.is_set():
+            return False
+        self._cancel_reason = reason
+        self._cancelled.set()
+        self._done.wait()
+        return True
+
+
+def _error_of(group: Launch) -> BaseException | None:
+    if not group.done():
+        return None
+    try:
+        group.result(0)
+    except BaseException as exc:  # noqa: BLE001 - the group's outcome, looked at
+        return exc
+    return None
