@@ -1,17 +1,14 @@
-"""The driver side of one run: validate, place, open the channel, submit, hand back a handle.
+"""The driver side of one world (a run, or one replica group of it): validate, place, open
+the channel, submit, supervise its attempts, hand back a handle.
 
-``start`` is the single engine behind every front door (``Distributor``, ``TorchDistributor``,
-the decorator, the CLI): it does everything that can fail before a process starts, on the
-caller's thread, so bad input raises at once and nothing is launched. It then returns a
-``Launch`` whose supervisor thread watches the run (``_supervisor``). ``launch`` is the blocking
-form (``Launch.wait``): whatever interrupts the waiting thread (Ctrl-C, a test timeout's
-exception raised from a signal handler, anything else) first stops every rank and everything
-the ranks started, then propagates unchanged.
+``Launch`` does everything that can fail before a process starts on the caller's thread, so
+bad input raises at once and nothing is launched; its supervisor thread then watches the run.
+``wait`` blocks: whatever interrupts the waiting thread (Ctrl-C, a test timeout's exception
+raised from a signal handler) first stops every rank and everything the ranks started, then
+propagates unchanged. Local mode runs the agent on a thread of this process; Spark mode
+submits one barrier stage whose tasks run the same agent.
 
-Local mode runs the agent on a thread of this process; Spark mode submits one barrier stage
-whose tasks run the same agent.
-
-Non-goals: argument parsing of the public classes (``distributor``), Spark details (``_spark``).
+Non-goals: choosing the kind of run (``start``), argument parsing (``distributor``), Spark.
 """
 
 from __future__ import annotations
@@ -228,12 +225,9 @@ class Launch:
                     restart = "restarting at the larger world (not counted in max_restarts)"
                 elif state.was_preempted:  # restarted without using max_restarts
                     progressed = self._checkpoint_step() not in (None, attempt.started_from)
+                    drained = attempt_of(state, len(history))
                     history.append(
-                        self._tagged(
-                            dataclasses.replace(
-                                attempt_of(state, len(history)), progressed=progressed
-                            )
-                        )
+                        self._tagged(dataclasses.replace(drained, progressed=progressed))
                     )
                     if (too_many := preemption_error(history)) is not None:
                         raise too_many

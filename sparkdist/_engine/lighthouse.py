@@ -19,7 +19,10 @@ Non-goals: the groups themselves (``_engine.replica_groups``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import Iterator, MutableMapping
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,18 +38,38 @@ QUORUM_TICK_MS = 100
 #: A group silent this long is no longer counted as live (torchft's default is 5 s).
 HEARTBEAT_TIMEOUT_MS = 5000
 
+#: torchft's Rust log filter, and what the Lighthouse and the ranks' Manager servers get unless
+#: the user set it.
+RUST_LOG_VAR = "RUST_LOG"
+QUIET_RUST_LOG = "warn"
+
 INSTALL_HINT = "pip install 'sparkdist[torchft]' (torchft 0.2 or newer, on every host)"
 
 
 def _server_class() -> Any:
     try:
-        from torchft._torchft import LighthouseServer
+        with quiet_rust_log(os.environ):  # torchft's logger reads RUST_LOG once, at import
+            from torchft._torchft import LighthouseServer
     except ImportError as exc:
         raise ConfigError(
             f"replica_groups needs torchft on the driver and every host, but it cannot be "
             f"imported here ({exc}); {INSTALL_HINT}"
         ) from None
     return LighthouseServer
+
+
+@contextlib.contextmanager
+def quiet_rust_log(environ: MutableMapping[str, str]) -> Iterator[None]:
+    """``RUST_LOG`` at ``QUIET_RUST_LOG`` while the block runs, unless the user set it: torchft's
+    servers otherwise log every quorum (ten lines a second) at info."""
+    if RUST_LOG_VAR in environ:
+        yield
+        return
+    environ[RUST_LOG_VAR] = QUIET_RUST_LOG
+    try:
+        yield
+    finally:
+        environ.pop(RUST_LOG_VAR, None)
 
 
 def check_torchft() -> None:

@@ -23,6 +23,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from signal import SIGTERM
@@ -39,7 +40,12 @@ from sparkdist._core.launch.replica_groups import (
 )
 from sparkdist._core.run.result import RunResult
 from sparkdist._engine.launch import Launch, interruption
-from sparkdist._engine.lighthouse import Lighthouse, check_torchft
+from sparkdist._engine.lighthouse import (
+    QUIET_RUST_LOG,
+    RUST_LOG_VAR,
+    Lighthouse,
+    check_torchft,
+)
 from sparkdist._node.host.signal_notice import notices_during
 from sparkdist._wire.payload import Job
 
@@ -50,9 +56,14 @@ _POLL_S = 0.1
 
 
 def group_config(config: LaunchConfig, index: int) -> LaunchConfig:
-    """Group ``index``'s own config: its share of the ranks, its own checkpoint directory."""
+    """Group ``index``'s own config: its share of the ranks, its own checkpoint directory, and
+    torchft's servers quiet unless the user set ``RUST_LOG``."""
+    env = dict(config.env)
+    if RUST_LOG_VAR not in env and RUST_LOG_VAR not in os.environ:
+        env[RUST_LOG_VAR] = QUIET_RUST_LOG
     return dataclasses.replace(
         config,
+        env=env,
         num_processes=config.num_processes // config.replica_groups,
         replica_groups=1,
         min_replica_groups=1,

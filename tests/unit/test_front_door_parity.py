@@ -104,7 +104,7 @@ EXAMPLES: dict[str, tuple[Any, dict[str, Any]]] = {
     "straggler_fraction": (0.5, {}),
     "straggler_window_s": (5.0, {}),
     "replica_groups": (2, {"num_processes": 4}),
-    "min_replica_groups": (2, {"num_processes": 4, "replica_groups": 3}),
+    "min_replica_groups": (2, {"num_processes": 3, "replica_groups": 3}),
 }
 
 

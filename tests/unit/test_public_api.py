@@ -85,6 +85,10 @@ def test_version_comes_from_the_package_metadata_only():
 #: module's machinery moved out of it (``_core.world``, ``_node.rank.mesh`` and
 #: ``.preemption``, ``_checkpoint.public``): a change here is a change of the public surface.
 RUNTIME_SIGNATURES = {
+    "average_gradients": "(manager: 'Any', module: 'torch.nn.Module') -> 'None'",
+    "num_replica_groups": "() -> 'int'",
+    "replica_group": "() -> 'int'",
+    "torchft_manager_kwargs": "(pg: 'ProcessGroup | None' = None) -> 'dict[str, Any]'",
     "backend": "() -> 'str'",
     "checkpoint_dir": "() -> 'str | None'",
     "deepspeed_config": "() -> 'dict[str, Any] | None'",

@@ -185,6 +185,13 @@ class LaunchConfig:
                     f"{self.num_processes}; pass min_processes between 1 and {self.num_processes}"
                     " (the smallest world a restart may shrink to), or leave it unset"
                 )
+        check_replica_groups(
+            num_processes=self.num_processes,
+            replica_groups=self.replica_groups,
+            min_replica_groups=self.min_replica_groups,
+            min_processes=self.min_processes,
+            mode=Mode.parse(self.mode).value,
+        )
         for name in ("local_mode", "allow_oversubscribe"):
             check_bool(name, getattr(self, name), optional=False)
         for name in ("use_gpu", "mlflow"):
@@ -245,13 +252,6 @@ class LaunchConfig:
         _check_number("system_metrics_interval_s", self.system_metrics_interval_s, "seconds, >= 0")
         _check_number("straggler_fraction", self.straggler_fraction, "in [0, 1)", below=1.0)
         check_positive_seconds("straggler_window_s", self.straggler_window_s)
-        check_replica_groups(
-            num_processes=self.num_processes,
-            replica_groups=self.replica_groups,
-            min_replica_groups=self.min_replica_groups,
-            min_processes=self.min_processes,
-            mode=self.mode.value,
-        )
         check_local_cpu_ranks(
             self.num_processes,
             local_mode=self.local_mode,
@@ -513,13 +513,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "replica_groups",
-        "torchft replica groups: split the ranks into this many groups; a lost group is "
-        "relaunched while the others go on",
+        "split the ranks into this many torchft replica groups; a lost one is relaunched alone",
         _cli("--replica-groups", kind=CliKind.POSITIVE_COUNT, metavar="R"),
     ),
     Option(
         "min_replica_groups",
-        "torchft replica groups: the fewest live groups a step may be taken with",
+        "the fewest live torchft replica groups a step may be taken with",
         _cli("--min-replica-groups", kind=CliKind.POSITIVE_COUNT, metavar="R"),
     ),
 )

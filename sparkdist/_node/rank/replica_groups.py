@@ -88,3 +88,7 @@ def average_gradients(manager: Any, module: torch.nn.Module) -> None:
         works.append(manager.allreduce(local))
     for work in works:
         work.wait()
+
+
+for _public in (replica_group, num_replica_groups, torchft_manager_kwargs, average_gradients):
+    _public.__module__ = "sparkdist.runtime"  # documented, and shown, as runtime's helpers

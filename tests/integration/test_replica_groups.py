@@ -1,0 +1,134 @@
+"""Replica groups (torchft) in local mode: a lost group is relaunched and heals from a live
+peer while the other groups go on; a group whose code fails the same way twice ends the run.
+
+Real torchft (its Lighthouse on the driver, its Manager and gloo process group in every rank),
+real processes. Every test checks that no process of the run survives (conftest's leak check).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from sparkdist import Distributor, WorkerFailedError
+
+pytest.importorskip("torchft")
+
+#: Steps every group must commit with all three groups in the quorum before it stops.
+FULL_STEPS = 3
+#: Steps every run takes at least (group 1 is lost at step 5).
+MIN_STEPS = 10
+#: A bound on the steps of a run, so a quorum that never comes back fails the test.
+MAX_STEPS = 400
+
+
+def train_in_groups(kill_at_step: int | None, raise_at_step: int | None) -> dict[str, object]:
+    """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only) or
+    raises (every attempt) from the given step on. Each group goes on until it has committed
+    ``FULL_STEPS`` steps in a row with all three groups in the quorum, and ``MIN_STEPS``."""
+    import time
+
+    import torch
+    import torchft
+
+    from sparkdist import runtime
+
+    group = runtime.replica_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pg = torchft.ProcessGroupGloo()
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        **runtime.torchft_manager_kwargs(pg),
+    )
+    wrapped = torchft.Optimizer(manager, optimizer)
+    participants: list[int] = []
+    first_step: int | None = None
+    try:
+        for _ in range(MAX_STEPS):
+            step = manager.current_step()
+            if group == 1 and step == kill_at_step and runtime.restart_count() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if group == 1 and raise_at_step is not None and step >= raise_at_step:
+                raise ValueError("a bad batch")
+            wrapped.zero_grad()  # starts the step's quorum
+            generator = torch.Generator().manual_seed(1000 * step + group)
+            x = torch.randn(8, 4, generator=generator)
+            torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
+            runtime.average_gradients(manager, model)
+            wrapped.step()  # commits only when every group's allreduce went through
+            committed = manager.current_step() > step
+            if first_step is None:
+                first_step = manager.current_step()  # a healed group's is its peers' step
+            if committed:
+                participants.append(manager.num_participants())
+                full = participants[-FULL_STEPS:] == [3] * FULL_STEPS
+                if full and manager.current_step() >= MIN_STEPS:  # the same step in every group
+                    break
+            time.sleep(0.02)  # the survivors must still be stepping when the relaunch joins
+        return {
+            "group": group,
+            "restarts": runtime.restart_count(),
+            "first_step": first_step,
+            "participants": participants,
+            "step": manager.current_step(),
+            "weights": [p.detach().clone().tolist() for p in model.parameters()],
+        }
+    finally:
+        manager.shutdown(wait=False)
+
+
+def _groups(**options: object) -> Distributor:
+    return Distributor(
+        num_processes=3,
+        replica_groups=3,
+        local_mode=True,
+        use_gpu=False,
+        max_restarts=2,
+        timeout_s=120,
+        **options,  # type: ignore[arg-type]
+    )
+
+
+def test_a_killed_group_is_relaunched_and_heals_while_the_others_go_on() -> None:
+    result = _groups().run_all(train_in_groups, 5, None)
+
+    by_group = {v["group"]: v for v in result.values}
+    assert sorted(by_group) == [0, 1, 2]
+    # The survivors were never restarted: one process each, from first step to last.
+    assert by_group[0]["restarts"] == by_group[2]["restarts"] == 0
+    assert by_group[1]["restarts"] == 1
+    for survivor in (by_group[0], by_group[2]):
+        assert 2 in survivor["participants"], survivor["participants"]  # went on without 1
+        assert survivor["participants"][-1] == 3  # and with it again once it healed
+    # The relaunched group joined at the survivors' step, not 0, and healed from a peer.
+    relaunched = by_group[1]
+    assert relaunched["first_step"] > 6, relaunched
+    # Every group ends on one step with identical weights.
+    assert {v["step"] for v in result.values} == {by_group[0]["step"]}
+    assert by_group[0]["weights"] == by_group[1]["weights"] == by_group[2]["weights"]
+    # The history names the lost group's attempts; the others had one each.
+    groups_attempts = [(a.replica_group, a.number) for a in result.attempts]
+    assert groups_attempts == [(0, 0), (1, 0), (1, 1), (2, 0)], groups_attempts
+    lost = next(a for a in result.attempts if a.replica_group == 1 and a.number == 0)
+    assert lost.failure is not None and lost.failure.exit_code == -signal.SIGKILL
+
+
+def test_a_group_that_fails_the_same_way_twice_ends_the_run_with_its_traceback() -> None:
+    with pytest.raises(WorkerFailedError) as caught:
+        _groups().run_all(train_in_groups, None, 2)
+
+    error = caught.value
+    assert error.root_cause.exc_type.endswith("ValueError")
+    assert "a bad batch" in error.root_cause.traceback
+    # Relaunched once, then not again (max_restarts=2 would allow two more).
+    assert [a.number for a in error.history] == [0, 1]
+    assert {a.replica_group for a in error.history} == {1}
+    assert "same builtins.ValueError" in str(error) or "same ValueError" in str(error)
+    assert "replica group 1 of 3 failed" in str(error)
