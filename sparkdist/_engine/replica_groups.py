@@ -97,6 +97,9 @@ class GroupedLaunch:
         check_torchft()
         self.config = config
         backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key)
+        # The whole run placed once: the cluster must hold every group at once (each group's
+        # Launch then places its own share), and the driver's address is known from here on.
+        backend.place(config)
         self._lighthouse = Lighthouse(backend.driver_host, config.min_replica_groups)
         self._groups: list[Launch] = []
         try:
