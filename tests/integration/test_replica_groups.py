@@ -24,9 +24,11 @@ MIN_STEPS = 10
 MAX_STEPS = 400
 
 
-def train_in_groups(kill_at_step: int | None, raise_at_step: int | None) -> dict[str, object]:
+def train_in_groups(
+    kill_at_step: int | None, raise_at_step: int | None, hang_at_step: int | None = None
+) -> dict[str, object]:
     """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only) or
-    raises (every attempt) from the given step on. Each group goes on until it has committed
+    raises (every attempt) from the given step on, or hangs (first attempt only). Each group goes on until it has committed
     ``FULL_STEPS`` steps in a row with all three groups in the quorum, and ``MIN_STEPS``."""
     import time
 
@@ -57,12 +59,15 @@ def train_in_groups(kill_at_step: int | None, raise_at_step: int | None) -> dict
                 os.kill(os.getpid(), signal.SIGKILL)
             if group == 1 and raise_at_step is not None and step >= raise_at_step:
                 raise ValueError("a bad batch")
+            if group == 1 and step == hang_at_step and runtime.restart_count() == 0:
+                time.sleep(600)  # hung: torchft's Manager still heartbeats on its own thread
             wrapped.zero_grad()  # starts the step's quorum
             generator = torch.Generator().manual_seed(1000 * step + group)
             x = torch.randn(8, 4, generator=generator)
             torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
             runtime.average_gradients(manager, model)
             wrapped.step()  # commits only when every group's allreduce went through
+            runtime.report(step=manager.current_step())  # a step: the group is not hung
             committed = manager.current_step() > step
             if first_step is None:
                 first_step = manager.current_step()  # a healed group's is its peers' step
@@ -132,3 +137,18 @@ def test_a_group_that_fails_the_same_way_twice_ends_the_run_with_its_traceback()
     assert {a.replica_group for a in error.history} == {1}
     assert "same builtins.ValueError" in str(error) or "same ValueError" in str(error)
     assert "replica group 1 of 3 failed" in str(error)
+
+
+def test_a_hung_group_is_ended_whole_and_relaunched_while_the_others_go_on() -> None:
+    # Group 1 stops stepping at step 5 while its process lives (and torchft's Manager thread
+    # heartbeats): heartbeat_timeout_s ends it, and it is relaunched like a lost group.
+    result = _groups(heartbeat_timeout_s=3.0).run_all(train_in_groups, None, None, 5)
+
+    by_group = {v["group"]: v for v in result.values}
+    assert [by_group[g]["restarts"] for g in (0, 1, 2)] == [0, 1, 0]
+    hung = next(a for a in result.attempts if a.replica_group == 1 and a.number == 0)
+    assert hung.failure is not None and "hung" in hung.failure.message, hung
+    for survivor in (by_group[0], by_group[2]):
+        assert 2 in survivor["participants"], survivor["participants"]
+    assert by_group[1]["first_step"] > 6
+    assert by_group[0]["weights"] == by_group[1]["weights"] == by_group[2]["weights"]
