@@ -27,9 +27,10 @@ MAX_STEPS = 400
 def train_in_groups(
     kill_at_step: int | None, raise_at_step: int | None, hang_at_step: int | None = None
 ) -> dict[str, object]:
-    """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only) or
-    raises (every attempt) from the given step on, or hangs (first attempt only). Each group goes on until it has committed
-    ``FULL_STEPS`` steps in a row with all three groups in the quorum, and ``MIN_STEPS``."""
+    """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only),
+    raises (every attempt) from the given step on, or hangs (first attempt only). Each group
+    goes on until it has committed ``FULL_STEPS`` steps in a row with all three groups in the
+    quorum, and ``MIN_STEPS``."""
     import time
 
     import torch
