@@ -38,12 +38,16 @@ def start_run(config, max_restarts):
     def go():
         ended = {"errors": []}
         stop = os.path.join(config["run_dir"], "stop")
+        groups = config.get("replica_groups", 1)
+        function = train_groups if groups > 1 else train
         while not os.path.exists(stop):
             try:
                 result = sparkdist.Distributor(config["num_processes"], local_mode=False,
                     use_gpu=False, min_processes=config["min_processes"],
                     grow_after_s=config["grow_after_s"], max_restarts=max_restarts,
-                    checkpoint_dir=os.path.join(config["run_dir"], "ckpt")).run_all(train, config)
+                    replica_groups=groups,
+                    checkpoint_dir=os.path.join(config["run_dir"], "ckpt")).run_all(
+                        function, config)
                 ended["attempts"] = [a.summary() for a in result.attempts]
                 break
             except Exception as error:  # the user's loop: launch again
@@ -62,7 +66,8 @@ def run_config(
     variant: str, run_dir: Path, steps: int, args: argparse.Namespace, **world: Any
 ) -> dict[str, Any]:
     """``train``'s config for one run: the variant, its directory, ``steps`` and the options;
-    ``world``: the lab's ``num_processes``, ``min_processes`` and ``grow_after_s``."""
+    ``world``: the lab's ``num_processes``, ``min_processes``, ``grow_after_s`` and
+    ``replica_groups``."""
     return {
         "num_processes": 2,
         "min_processes": 1,
@@ -163,6 +168,78 @@ def train(config: dict[str, Any]) -> dict[str, Any]:
     return {"start": start, "world": world}
 
 
+def train_groups(config: dict[str, Any]) -> dict[str, Any]:
+    """``train``'s counterpart for replica groups (torchft): ``config["steps"]`` committed steps
+    of the same model, each group one replica, gradients averaged over the quorum with
+    ``runtime.average_gradients``; no checkpoints (a lost group heals from a live peer).
+
+    It writes what ``train`` writes, under the run's global rank (group * group size + rank):
+    ``rank-N`` notes (the faults strike rank 1's host: group 1's), and group 0's rank 0 logs
+    every step it executed to ``steps.log`` (the world column: the groups in the step's quorum);
+    a step that did not commit is executed again and counts once. ``healed.log``: each
+    relaunched group's first committed step (restart, time), when it had healed.
+    Self-contained, as ``train``.
+    """
+    import os
+    import socket
+    import time
+
+    import torch
+    import torchft
+
+    from sparkdist import runtime
+
+    run_dir, relaunch = config["run_dir"], config["relaunch"]
+    rank = runtime.replica_group() * runtime.get_world_size() + runtime.get_global_rank()
+    restart = runtime.restart_count()
+    with open("/proc/self/stat") as stat:
+        started = stat.read().rsplit(")", 1)[1].split()[19]
+    note = os.path.join(run_dir, f"rank-{rank}")
+    with open(note + ".tmp", "w") as out:
+        out.write(f"{relaunch} {restart} {os.getpid()} {started} {socket.gethostname()}\n")
+    os.replace(note + ".tmp", note)
+    if rank == 0:
+        with open(os.path.join(run_dir, "entered.log"), "a") as out:
+            out.write(f"{relaunch} {restart} {time.time():.6f}\n")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    pg = torchft.ProcessGroupGloo()
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        **runtime.torchft_manager_kwargs(pg),
+    )
+    ft_optimizer = torchft.Optimizer(manager, optimizer)
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
+    log = -1
+    if rank == 0:
+        log = os.open(os.path.join(run_dir, "steps.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    healed = restart == 0
+    try:
+        while manager.current_step() < config["steps"]:
+            step, began = manager.current_step(), time.time()
+            ft_optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            runtime.average_gradients(manager, model)
+            ft_optimizer.step()
+            time.sleep(config["step_s"])
+            participants = manager.num_participants()
+            if log >= 0:
+                line = f"{relaunch} {restart} {step} {began:.6f} {time.time():.6f} {participants}\n"
+                os.write(log, line.encode())
+            if not healed and manager.current_step() > step:
+                healed = True
+                with open(os.path.join(run_dir, "healed.log"), "a") as out:
+                    out.write(f"{restart} {time.time():.6f}\n")
+    finally:
+        manager.shutdown(wait=False)
+    return {"step": manager.current_step()}
+
+
 def read_note(run_dir: Path, rank: int) -> dict[str, Any] | None:
     """Rank ``rank``'s latest note: its attempt, pid, start time and host (None: no note)."""
     try:
@@ -216,6 +293,23 @@ def figures_of(
         sum(1 for r in rows if tuple(r[0]) == a and r[1] >= starts[b])
         for a, b in zip(order, order[1:], strict=False)
     ]
+    stalls = []  # from each fault to the next step that got further than any begun before it
+    for strike in strikes:
+        before = [r[1] for r in rows if r[2] < strike["at"]]
+        further = [r[3] for r in rows if r[2] >= strike["at"] and r[1] > max(before, default=-1)]
+        if further:
+            stalls.append(min(further) - strike["at"])
+    heals = []  # replica groups: from each fault to the relaunched group's first committed step
+    if (run_dir / "healed.log").exists():
+        healed_at = [
+            float(line.split()[1])
+            for line in (run_dir / "healed.log").read_text().split("\n")
+            if line
+        ]
+        for strike in strikes:
+            after = [at for at in healed_at if at >= strike["at"]]
+            if after:
+                heals.append(min(after) - strike["at"])
     step_times = sorted(e - b for b, e in last.values())
     timeline = [  # every step executed, for the plot: [start, end] after the launch, world
         [rounded(b - started, 2), rounded(e - started, 2), w] for _, _, b, e, w in rows
@@ -234,6 +328,9 @@ def figures_of(
         "recovery_s": rounded(statistics.median(recoveries) if recoveries else None, 2),
         "recoveries_s": [rounded(r, 2) for r in recoveries],
         "fault_to_function_s": rounded(statistics.median(handovers) if handovers else None, 2),
+        "stall_s": rounded(statistics.median(stalls) if stalls else None, 2),
+        "stalls_s": [rounded(s, 2) for s in stalls],
+        "heal_s": rounded(statistics.median(heals) if heals else None, 2),
         "lost_by_attempt": lost_by_attempt,
         "step_s_median": rounded(step_times[len(step_times) // 2] if step_times else None, 3),
         "worlds": sorted({r[4] for r in rows}),

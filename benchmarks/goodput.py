@@ -23,6 +23,11 @@ host SIGKILLed, then the host brought back) and ``host-sigterm`` (SIGTERM to ran
 JVM, as YARN or Kubernetes send; that run's driver sets ``spark.python.task.killTimeout=30s``,
 see docs/restarts.md); each lab run has a driver application of its own.
 
+``host-kill-groups`` kills rank 1's host the same way under torchft's replica groups
+(``_goodput_jobs.train_groups``: 3 groups of one rank, one per host, no checkpoints): the lost
+group is relaunched when its host is back and heals from a live peer; the other two groups go
+on meanwhile.
+
 ``host-kill-grow`` and ``host-kill-no-grow`` kill rank 1's host the same way, with 3 ranks on the
 3 hosts (``min_processes=2``): the run shrinks to 2 at each loss; with grow-back
 (``grow_after_s=--grow-after-s``) it drains and goes back to 3 once the host has been back that
@@ -35,9 +40,11 @@ Figures per run: ``goodput`` (sum of the durations of the steps that count, i.e.
 execution of each step index, over the wall time from the first launch to the result),
 ``lost_per_fault`` ((steps executed - steps) / faults), ``restarts`` (sparkdist's),
 ``relaunches`` (by user code), ``recovery_s`` (median, from a fault to the first step of the
-next attempt), ``rates`` (steps per second between one fault and the next, and the worlds that
-ran then). A run still going at ``--cap-s`` is stopped and reported ``unfinished``; then only
-steps its last checkpoint covers count.
+next attempt), ``stall_s`` (median, from a fault to the next step that got further than any step
+begun before it: what the healthy ranks waited), ``heal_s`` (replica groups: from a fault to
+the relaunched group's first committed step), ``rates`` (steps per second between one fault
+and the next, and the worlds that ran then). A run still going at ``--cap-s`` is stopped and
+reported ``unfinished``; then only steps its last checkpoint covers count.
 
 Usage (see benchmarks/README.md)::
 
@@ -67,7 +74,7 @@ from typing import Any
 
 import _goodput_jobs
 from _goodput_faults import Faults, LabFaults
-from _goodput_jobs import LAB_DRIVER_CODE, figures_of, run_config, train
+from _goodput_jobs import LAB_DRIVER_CODE, figures_of, run_config, train, train_groups
 from _harness import Bench, Options, append_records, classic_session, progress
 from _measure import first_line, kill_tree, pickled_by_value
 from _report import emit, seconds, table
@@ -83,11 +90,20 @@ LAB_VARIANTS = {
     "host-sigterm": "sparkdist async+drain",
     "host-kill-grow": "sparkdist async+drain",
     "host-kill-no-grow": "sparkdist async+drain",
+    "host-kill-groups": "sparkdist replica groups",
 }
 #: The lab's worlds: 2 ranks of at least 1 on 3 hosts (a lost host's rank moves to the third),
 #: or 3 ranks of at least 2 on the 3 hosts (a lost host shrinks the run until it grows back).
 LAB_WORLD = {"num_processes": 2, "min_processes": 1, "grow_after_s": None}
 CYCLE_WORLD = {"num_processes": 3, "min_processes": 2}
+#: torchft's replica groups: 3 groups of one rank, one per host (a lost host's group is
+#: relaunched when the host is back; the other two go on meanwhile).
+GROUPS_WORLD = {
+    "num_processes": 3,
+    "min_processes": None,
+    "grow_after_s": None,
+    "replica_groups": 3,
+}
 
 OPTIONS = Options(__doc__, quick_help="a smoke test (~3 min)")
 OPTIONS.add("--steps", type=int, quick=(120, 60), help="steps per run")
@@ -244,7 +260,7 @@ def start_lab_driver(cluster: Any, drains: bool) -> Any:
     if drains:
         conf["spark.python.task.killTimeout"] = "30s"
     driver = cluster.start_application(conf, len(cluster.workers), SPARKDIST_MLFLOW="0")
-    driver.check(inspect.getsource(train) + LAB_DRIVER_CODE)
+    driver.check(inspect.getsource(train) + inspect.getsource(train_groups) + LAB_DRIVER_CODE)
     driver.check("sparkdist.Distributor(2, local_mode=False, use_gpu=False).run(abs, -1)")
     return driver
 
@@ -257,6 +273,8 @@ def lab_run(cluster: Any, schedule: str, args: argparse.Namespace) -> dict[str, 
     if schedule in ("host-kill-grow", "host-kill-no-grow"):
         grow = args.grow_after_s if schedule == "host-kill-grow" else None
         world = {**CYCLE_WORLD, "grow_after_s": grow}
+    if schedule == "host-kill-groups":
+        world = dict(GROUPS_WORLD)
     config = run_config(variant, run_dir, args.lab_steps, args, **world)
     progress(SCRIPT, f"lab: {variant} under {schedule}")
     driver = start_lab_driver(cluster, drains=schedule == "host-sigterm")
@@ -338,6 +356,7 @@ def table_of(records: list[dict[str, Any]]) -> str:
                 "lost/fault": "-" if r["lost_per_fault"] is None else f"{r['lost_per_fault']:.1f}",
                 "restarts / relaunches": f"{r['restarts']} / {r['relaunches']}",
                 "fault->next step": seconds(r["recovery_s"], 2),
+                "stall": seconds(r["stall_s"], 2),
                 "wall": f"{r['wall_s']:.1f} s",
                 "load": f"{r['load_1m']:.1f}",
                 "notes": "; ".join(notes),
