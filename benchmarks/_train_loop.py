@@ -82,6 +82,67 @@ def ddp_mlp_steps(steps: int, warmup: int, hidden: int, report: bool = False) ->
     }
 
 
+def torchft_mlp_steps(steps: int, warmup: int, hidden: int) -> dict[str, Any]:
+    """``ddp_mlp_steps``'s model and batches across torchft replica groups of one rank each
+    (``Distributor(2, replica_groups=2)``): per step, a quorum (torchft's ``Optimizer`` wrapper),
+    the gradients averaged with ``runtime.average_gradients`` and a commit vote. A step is
+    timed like DDP's: zero_grad (the quorum) through the optimizer step (the commit)."""
+    import torch
+    import torchft
+    from torch import nn
+
+    from sparkdist import runtime
+
+    group = runtime.replica_group()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(INPUT_DIM, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 1),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    pg = torchft.ProcessGroupGloo()
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=2,  # every step with both groups: the same work as DDP's
+        load_state_dict=model.load_state_dict,
+        state_dict=model.state_dict,
+        **runtime.torchft_manager_kwargs(pg),
+    )
+    ft_optimizer = torchft.Optimizer(manager, optimizer)
+    generator = torch.Generator().manual_seed(1 + group)
+    batches = [
+        (
+            torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
+            torch.randn(BATCH_SIZE, 1, generator=generator),
+        )
+        for _ in range(NUM_BATCHES)
+    ]
+    step_s: list[float] = []
+    try:
+        for step in range(warmup + steps):
+            x, y = batches[step % NUM_BATCHES]
+            started = time.perf_counter()
+            ft_optimizer.zero_grad(set_to_none=True)
+            nn.functional.mse_loss(model(x), y).backward()
+            runtime.average_gradients(manager, model)
+            ft_optimizer.step()
+            elapsed = time.perf_counter() - started
+            if step >= warmup:
+                step_s.append(elapsed)
+    finally:
+        manager.shutdown(wait=False)
+    return {
+        "rank": group,
+        "step_s": step_s,
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
 def _reporter() -> Any:
     from sparkdist import runtime
 

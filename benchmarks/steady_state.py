@@ -9,7 +9,11 @@ the data path). The loop is ``_train_loop.ddp_mlp_steps``: a small MLP, 2 ranks,
 - ``sparkdist-cold``: sparkdist with ``SPARKDIST_WORKER_POOL=0``: ranks are fresh interpreters,
   not forks of the warm pool's zygote (tells a cost of forking from one apart);
 - ``sparkdist+report``: sparkdist with ``runtime.report(step, total, loss)`` every step (what
-  a heartbeat/progress per step costs; not part of the target).
+  a heartbeat/progress per step costs; not part of the target);
+- ``sparkdist+torchft``: the same model across torchft replica groups
+  (``Distributor(2, replica_groups=2)``, ``_train_loop.torchft_mlp_steps``): a quorum, the
+  gradients averaged by ``runtime.average_gradients`` and a commit vote every step (what
+  torchft's fault tolerance costs a step; compared with ``sparkdist``, not part of the target).
 
 Round 0 is a warm-up (not kept). The figure per launcher is the median of rank 0's step times
 over all kept rounds; ``run_medians`` has each round's median. Everything runs in one child
@@ -40,7 +44,7 @@ from _report import emit, median, ratio, rounded, table, times
 
 SCRIPT = "steady_state"
 NUM_PROCESSES = 2
-LAUNCHERS = ("sparkdist", "torchrun", "sparkdist-cold", "sparkdist+report")
+LAUNCHERS = ("sparkdist", "torchrun", "sparkdist-cold", "sparkdist+report", "sparkdist+torchft")
 TARGET_RATIO = 1.02
 POOL_VAR = "SPARKDIST_WORKER_POOL"
 
@@ -73,6 +77,10 @@ def run_once(launcher: str, args: argparse.Namespace, out: Path) -> dict[str, An
         return json.loads(out.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
     from sparkdist import Distributor
 
+    if launcher == "sparkdist+torchft":
+        groups = Distributor(NUM_PROCESSES, use_gpu=False, replica_groups=NUM_PROCESSES)
+        result = groups.run_all(_train_loop.torchft_mlp_steps, args.steps, args.warmup, args.hidden)
+        return result.values[0]  # type: ignore[no-any-return]
     pool = os.environ.pop(POOL_VAR, None)
     if launcher == "sparkdist-cold":
         os.environ[POOL_VAR] = "0"
@@ -146,6 +154,15 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "target": TARGET_RATIO if launcher == "sparkdist" else None,
             }
         )
+    torchft = ratio(by_launcher.get("sparkdist+torchft"), by_launcher.get("sparkdist"))
+    figures.append(
+        {
+            "figure": "step_s_ratio",
+            "launcher": "sparkdist+torchft/sparkdist",
+            "value": rounded(torchft, 4),
+            "target": None,
+        }
+    )
     return figures
 
 
@@ -155,6 +172,7 @@ def table_of(figures: list[dict[str, Any]]) -> str:
     for f in (f for f in figures if f["figure"] == "step_s"):
         per_run = " ".join(f"{m * 1e3:.2f}" for m in f["run_medians"])
         versus = ratios.get(f"{f['launcher']}/torchrun")
+        extra = ratios.get(f"{f['launcher']}/sparkdist")
         rows.append(
             {
                 "launcher": f["launcher"],
@@ -163,7 +181,8 @@ def table_of(figures: list[dict[str, Any]]) -> str:
                 "p90": _ms(f["p90"]),
                 "vs torchrun": times(versus) if f["launcher"] != "torchrun" else "1.00x",
                 "steps": f"{f['steps']}",
-                "notes": f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
+                "notes": (f"{times(extra)} sparkdist's; " if extra is not None else "")
+                + f"per-run medians (ms): {per_run}; torch threads {f['torch_threads']}",
             }
         )
     return table(rows)

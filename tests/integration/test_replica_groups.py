@@ -20,12 +20,18 @@ pytest.importorskip("torchft")
 FULL_STEPS = 3
 #: Steps every run takes at least (group 1 is lost at step 5).
 MIN_STEPS = 10
+#: The killed group's relaunch waits this long before it joins: more than the Lighthouse's join
+#: timeout (1 s), so the survivors' quorums go on without it (a local relaunch is quicker).
+RELAUNCH_DELAY_S = 2.0
 #: A bound on the steps of a run, so a quorum that never comes back fails the test.
 MAX_STEPS = 400
 
 
 def train_in_groups(
-    kill_at_step: int | None, raise_at_step: int | None, hang_at_step: int | None = None
+    kill_at_step: int | None,
+    raise_at_step: int | None,
+    hang_at_step: int | None = None,
+    relaunch_delay_s: float = 0.0,
 ) -> dict[str, object]:
     """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only),
     raises (every attempt) from the given step on, or hangs (first attempt only). Each group
@@ -39,6 +45,9 @@ def train_in_groups(
     from sparkdist import runtime
 
     group = runtime.replica_group()
+    for _ in range(int(relaunch_delay_s / 0.1) if runtime.restart_count() else 0):
+        time.sleep(0.1)  # the survivors must take steps without this group
+        runtime.heartbeat()  # alive meanwhile (heartbeat_timeout_s)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -56,11 +65,13 @@ def train_in_groups(
     try:
         for _ in range(MAX_STEPS):
             step = manager.current_step()
-            if group == 1 and step == kill_at_step and runtime.restart_count() == 0:
+            # ">=": a group that started late heals past a step, it may never be at that one
+            first_attempt = runtime.restart_count() == 0
+            if group == 1 and first_attempt and kill_at_step is not None and step >= kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if group == 1 and raise_at_step is not None and step >= raise_at_step:
                 raise ValueError("a bad batch")
-            if group == 1 and step == hang_at_step and runtime.restart_count() == 0:
+            if group == 1 and first_attempt and hang_at_step is not None and step >= hang_at_step:
                 time.sleep(600)  # hung: torchft's Manager still heartbeats on its own thread
             wrapped.zero_grad()  # starts the step's quorum
             generator = torch.Generator().manual_seed(1000 * step + group)
@@ -103,7 +114,7 @@ def _groups(**options: object) -> Distributor:
 
 
 def test_a_killed_group_is_relaunched_and_heals_while_the_others_go_on() -> None:
-    result = _groups().run_all(train_in_groups, 5, None)
+    result = _groups().run_all(train_in_groups, 5, None, None, RELAUNCH_DELAY_S)
 
     by_group = {v["group"]: v for v in result.values}
     assert sorted(by_group) == [0, 1, 2]
@@ -143,7 +154,7 @@ def test_a_group_that_fails_the_same_way_twice_ends_the_run_with_its_traceback()
 def test_a_hung_group_is_ended_whole_and_relaunched_while_the_others_go_on() -> None:
     # Group 1 stops stepping at step 5 while its process lives (and torchft's Manager thread
     # heartbeats): heartbeat_timeout_s ends it, and it is relaunched like a lost group.
-    result = _groups(heartbeat_timeout_s=3.0).run_all(train_in_groups, None, None, 5)
+    result = _groups(heartbeat_timeout_s=5.0).run_all(train_in_groups, None, None, 5)
 
     by_group = {v["group"]: v for v in result.values}
     assert [by_group[g]["restarts"] for g in (0, 1, 2)] == [0, 1, 0]

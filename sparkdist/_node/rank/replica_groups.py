@@ -8,8 +8,8 @@ advertises ``socket.gethostname()``, which resolves to loopback on many hosts, s
 group could not heal from it.
 
 ``average_gradients`` averages every gradient over the groups in the quorum with
-``manager.allreduce``, one gradient each: a peer that dies mid-step makes the step's
-``should_commit`` say no (the step is not taken, the survivors go on). torchft's own
+``manager.allreduce`` (one flat buffer, as DDP's buckets): a peer that dies mid-step makes the
+step's ``should_commit`` say no (the step is not taken, the survivors go on). torchft's own
 ``DistributedDataParallel`` wrapper instead ends the survivors when a peer dies during its
 allreduce (its comm hook asserts on a future that torchft's ``_ManagedWork.wait()`` left empty
 after swallowing the error; torchft 0.2.0).
@@ -76,18 +76,30 @@ def average_gradients(manager: Any, module: torch.nn.Module) -> None:
     place, with torchft's ``manager.allreduce`` (sharded gradients: each rank's own shard,
     which the same rank of every other group holds too).
 
-    Call it after ``backward()`` and before the optimizer step (torchft's ``Optimizer``
-    wrapper then commits the step only when every group's allreduce succeeded).
+    The gradients travel as one flat buffer per dtype and device (one allreduce, as DDP's
+    buckets, rather than one per parameter). Call it after ``backward()`` and before the
+    optimizer step (torchft's ``Optimizer`` wrapper then commits the step only when every
+    group's allreduce succeeded).
     """
-    works = []
+    import torch
+
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for parameter in module.parameters():
         grad = parameter.grad
         if grad is None:
             continue
         local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard
-        works.append(manager.allreduce(local))
-    for work in works:
+        buckets.setdefault((local.dtype, local.device), []).append(local)
+    works = []
+    for grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        works.append((manager.allreduce(flat), flat, grads))
+    for work, flat, grads in works:
         work.wait()
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 for _public in (replica_group, num_replica_groups, torchft_manager_kwargs, average_gradients):
