@@ -215,3 +215,44 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             current[module] = group
         keys[item.nodeid] = current.get(module, 0)
     items.sort(key=lambda item: keys[item.nodeid])
+    _overlap_the_floor_with_the_unit_tests(items)
+
+
+# -- the floor beside the unit tests -------------------------------------------------------------
+# The floor test (tests/floor/test_floor.py) runs ~95 s of Spark in its own environment; the unit
+# tests (~60 s) use one core and start no run. The floor's session starts with the first unit
+# test and its test runs right after the last one, so the two overlap.
+_FLOOR_TEST = "::".join(
+    (
+        "tests/floor/test_floor.py",
+        "test_the_floor_of_the_tested_range_passes_the_version_dependent_tests",
+    )
+)
+
+
+def _overlap_the_floor_with_the_unit_tests(items: list[pytest.Item]) -> None:
+    floor = next((i for i in items if i.nodeid == _FLOOR_TEST), None)
+    first = next((n for n, i in enumerate(items) if i.nodeid.startswith("tests/unit/")), None)
+    if floor is None or first is None:
+        return
+    last = first  # the unit tests that run together (those with a session run later)
+    while last + 1 < len(items) and items[last + 1].nodeid.startswith("tests/unit/"):
+        last += 1
+    _session["floor_starts_at"] = items[first].nodeid
+    ends_after = items[last]
+    items.remove(floor)
+    items.insert(items.index(ends_after) + 1, floor)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.nodeid == _session.get("floor_starts_at"):
+        from tests.floor import test_floor
+
+        test_floor.start_in_background()
+
+
+def pytest_sessionfinish() -> None:
+    from tests.floor import test_floor
+
+    if test_floor.background is not None:  # the session ended before the floor's test
+        test_floor.background.stop()

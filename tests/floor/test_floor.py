@@ -5,17 +5,30 @@ versions run again in the second environment README command 1 makes (``.venv-flo
 What runs there: Spark mode (restarts, an elastic start, a preemption drain, a killed executor),
 DataFrame input and its bad-input errors, MLflow tracking, and pyspark's own classes side by
 side with the drop-ins. The multi-host lab runs in the main environment only.
+
+The floor's session runs beside this session's unit tests (``tests/conftest.py`` starts it at
+the first of them and runs this test right after the last): they use one core, start no run
+and no JVM, and the floor's ~95 s of Spark then cost the suite only what the unit tests leave.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
+import signal
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import REPO
+
+#: This session's temporary directory (conftest's); the floor's goes beside it, not inside.
+TMP = tempfile.gettempdir()
 
 FLOOR_PYTHON = REPO / ".venv-floor" / "bin" / "python"
 FLOOR_TESTS = (
@@ -61,6 +74,76 @@ def _floor_env() -> dict[str, str]:
     return env
 
 
+class FloorRun:
+    """The floor's pytest session, a subprocess writing to a file: started ahead of its test by
+    ``tests/conftest.py`` (beside the unit tests, which use one core of the two and start no
+    run), or by the test itself when it runs alone.
+
+    Its runs' processes carry the marker its own conftest sets, and its temporary files go to
+    a directory of its own, outside this session's: the leak checks of the tests it overlaps
+    never take them for strays."""
+
+    def __init__(self) -> None:
+        self.tmp = Path(tempfile.mkdtemp(prefix="sparkdist-floor-", dir=os.path.dirname(TMP)))
+        self.log = self.tmp / "floor.log"
+        self.started = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                [
+                    str(FLOOR_PYTHON),
+                    "-m",
+                    "pytest",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    "--durations=5",
+                    "-m",
+                    FLOOR_MARKERS,
+                    "-k",
+                    FLOOR_SKIPS,
+                    *FLOOR_TESTS,
+                ],
+                cwd=REPO,
+                env={**_floor_env(), "TMPDIR": str(self.tmp)},
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own group: stop() reaches its Spark and ranks
+            )
+
+    def wait(self, timeout_s: float) -> tuple[int | None, str]:
+        """The exit status (None: still running at ``timeout_s`` after its start, then stopped)
+        and the output."""
+        try:
+            code: int | None = self.process.wait(
+                max(1.0, self.started + timeout_s - time.monotonic())
+            )
+        except subprocess.TimeoutExpired:
+            code = None
+        self.stop()
+        output = self.log.read_text(errors="replace")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return code, output
+
+    def stop(self) -> None:
+        """End it and everything it started (idempotent)."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+#: The floor's run when conftest started it ahead of its test.
+background: FloorRun | None = None
+
+
+def start_in_background() -> None:
+    """Start the floor's run now, if it can run (README command 1 made its environment)."""
+    global background
+    if background is None and FLOOR_PYTHON.exists():
+        background = FloorRun()
+
+
 @pytest.mark.timeout(900)
 def test_the_floor_of_the_tested_range_passes_the_version_dependent_tests():
     assert FLOOR_PYTHON.exists(), f"{FLOOR_PYTHON} is missing: README command 1 makes it"
@@ -79,30 +162,10 @@ def test_the_floor_of_the_tested_range_passes_the_version_dependent_tests():
     pins = _floor_pins()
     assert found == [pins["pyspark"], pins["mlflow"]], (found, pins)
 
-    run = subprocess.run(
-        [
-            str(FLOOR_PYTHON),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "--durations=5",
-            "-m",
-            FLOOR_MARKERS,
-            "-k",
-            FLOOR_SKIPS,
-            *FLOOR_TESTS,
-        ],
-        cwd=REPO,
-        env=_floor_env(),
-        capture_output=True,
-        text=True,
-        timeout=840,
-    )
-    output = run.stdout + run.stderr
+    run = background if background is not None else FloorRun()
+    code, output = run.wait(840)
     summary = output.strip().splitlines()[-1] if output.strip() else ""
-    assert run.returncode == 0, output[-20_000:]
+    assert code == 0, output[-20_000:]
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= AT_LEAST_PASSED, summary
     print(summary)
