@@ -14,11 +14,9 @@ Non-goals: choosing the kind of run (``start``), argument parsing (``distributor
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterator
 from signal import SIGTERM, Signals
 from typing import Any
 
@@ -40,6 +38,7 @@ from sparkdist._core.run.attempts import (
 )
 from sparkdist._core.run.result import RunResult
 from sparkdist._core.run.run_state import Deadlines
+from sparkdist._engine.ending import Ending, interruption
 from sparkdist._engine.growth_watch import start_growth_watch
 from sparkdist._engine.prepare import prepare
 from sparkdist._engine.rank_lines import warn_lines_dropped
@@ -58,7 +57,7 @@ from sparkdist._wire.payload import Job
 logger = logging.getLogger("sparkdist")
 
 
-class Launch:
+class Launch(Ending):
     """A started run: wait for it, poll it, or cancel it (which stops every rank)."""
 
     def __init__(
@@ -71,6 +70,7 @@ class Launch:
         dataframe: Any | None = None,
         replica_group: ReplicaGroup | None = None,
     ) -> None:
+        super().__init__()
         prepared = prepare(
             config,
             job,
@@ -102,9 +102,6 @@ class Launch:
         )
         if config.checkpoint_dir is not None and scheme_of(config.checkpoint_dir) is None:
             make_private_dirs(config.checkpoint_dir)  # a store's prefix needs no making
-        self._result: RunResult | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
         self._cancel_reason: str | None = None
         self._lock = threading.Lock()
         self._attempt: _Attempt | None = None
@@ -277,24 +274,6 @@ class Launch:
         """The MLflow run, as soon as MLflow made it (None before, and with tracking off)."""
         return self._tracker.mlflow_run_id
 
-    def done(self) -> bool:
-        """True once the run ended (every rank has exited)."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> RunResult:
-        """Wait for the run and return its RunResult, or raise its error.
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first (the run goes on).
-            concurrent.futures.CancelledError: the run was cancelled.
-        """
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
-
     def wait(self) -> RunResult:
         """Wait for the run and return its RunResult, or raise its error.
 
@@ -327,16 +306,6 @@ class Launch:
             attempt = self._attempt
         if attempt is not None:
             attempt.monitor.preempt(why)
-
-    @contextlib.contextmanager
-    def cancel_on_exception(self) -> Iterator[None]:
-        """Cancel the run when the block raises anything, then let the exception go on
-        unchanged: for the caller's own code between starting a run and waiting for it."""
-        try:
-            yield
-        except BaseException as exc:
-            self.cancel(interruption(exc))
-            raise
 
     def cancel(self, reason: str = "the run was cancelled") -> bool:
         """Stop every rank and wait until they are gone; False if the run had already ended.
@@ -388,12 +357,3 @@ class _Attempt:
         self.server.close()
         if self.monitor.dropped:
             warn_lines_dropped(self.monitor.dropped)
-
-
-def interruption(exc: BaseException) -> str:
-    """Why a run is cancelled when ``exc`` interrupted the thread waiting for it."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "the driver was interrupted (Ctrl-C)"
-    text = str(exc).strip().splitlines()
-    detail = f": {text[0][:200]}" if text else ""
-    return f"the driver's waiting thread was interrupted by {type(exc).__name__}{detail}"

@@ -20,12 +20,10 @@ one group's attempts (``_engine.launch``).
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Iterator
 from signal import SIGTERM
 from typing import Any
 
@@ -39,13 +37,15 @@ from sparkdist._core.launch.replica_groups import (
     merged_result,
 )
 from sparkdist._core.run.result import RunResult
-from sparkdist._engine.launch import Launch, interruption
+from sparkdist._engine.ending import Ending, interruption
+from sparkdist._engine.launch import Launch
 from sparkdist._engine.lighthouse import (
     QUIET_RUST_LOG,
     RUST_LOG_VAR,
     Lighthouse,
     check_torchft,
 )
+from sparkdist._engine.supervisor import ABORT_GRACE_S
 from sparkdist._node.host.signal_notice import notices_during
 from sparkdist._wire.payload import Job
 
@@ -75,7 +75,7 @@ def group_config(config: LaunchConfig, index: int) -> LaunchConfig:
     )
 
 
-class GroupedLaunch:
+class GroupedLaunch(Ending):
     """A started replica-group run: wait for it, poll it, or cancel it (every group)."""
 
     def __init__(
@@ -95,6 +95,7 @@ class GroupedLaunch:
                 "or drop replica_groups"
             )
         check_torchft()
+        super().__init__()
         self.config = config
         backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key)
         # The whole run placed once: the cluster must hold every group at once (each group's
@@ -122,9 +123,6 @@ class GroupedLaunch:
         self.run_id = first.run_id
         self.plan = first.plan
         self.placement: Placement = first.placement
-        self._result: RunResult | None = None
-        self._error: BaseException | None = None
-        self._done = threading.Event()
         self._cancelled = threading.Event()
         self._cancel_reason = "the run was cancelled"
         threading.Thread(
@@ -189,20 +187,7 @@ class GroupedLaunch:
         for stopper in stoppers:
             stopper.start()
         for stopper in stoppers:
-            stopper.join()
-
-    def done(self) -> bool:
-        """True once every group ended (every rank has exited)."""
-        return self._done.is_set()
-
-    def result(self, timeout: float | None = None) -> RunResult:
-        """Wait for the run and return every group's ranks' values, or raise its error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"run {self.run_id} still running after {timeout} s")
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+            stopper.join(ABORT_GRACE_S + _POLL_S)  # each cancel waits for its agents at most that
 
     def wait(self) -> RunResult:
         """``Launch.wait`` for every group: SIGTERM on the main thread drains every group."""
@@ -214,15 +199,6 @@ class GroupedLaunch:
         for group in self._groups:
             group.drain_for_signal(signum)
 
-    @contextlib.contextmanager
-    def cancel_on_exception(self) -> Iterator[None]:
-        """Cancel every group when the block raises anything, then let it go on unchanged."""
-        try:
-            yield
-        except BaseException as exc:
-            self.cancel(interruption(exc))
-            raise
-
     def cancel(self, reason: str = "the run was cancelled") -> bool:
         """Stop every rank of every group and wait until they are gone; False if it had
         already ended."""
@@ -230,7 +206,7 @@ class GroupedLaunch:
             return False
         self._cancel_reason = reason
         self._cancelled.set()
-        self._done.wait()
+        self._done.wait(ABORT_GRACE_S + 1.0)  # the groups are cancelled side by side
         return True
 
 
