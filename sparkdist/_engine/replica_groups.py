@@ -6,9 +6,12 @@ restarts, its ranks numbered inside the group as torchft expects, and torchft's 
 (``_core.launch.replica_groups.ReplicaGroup``). A group that loses a host or a rank fails and is
 relaunched by its own ``Launch`` (``max_restarts`` per group), on the capacity there is, while
 the other groups go on; the relaunched group joins the next quorum and heals from a live peer.
-A group that ends with an error (its relaunches spent, the same exception twice, a start that
-cannot work) ends the run: every other group is stopped and its error is raised, naming the
-group. The run's result is every group's, merged (``merged_result``).
+A group whose relaunches were all spent on host faults (ranks that died with no exception of
+the user's) is lost for good: the others go on while ``min_replica_groups`` are left, and the
+run fails naming the lost groups and their hosts once fewer are (``too_few_groups``). A group
+that ends with any other error (an exception of the training code, the same one twice, a start
+that cannot work, a timeout) ends the run: every other group is stopped and its error is raised,
+naming the group. The run's result is the finished groups', merged (``merged_result``).
 
 It offers what ``Launch`` offers (``wait``, ``result``, ``done``, ``cancel``...), so every front
 door takes either (``_engine.start``).
@@ -34,7 +37,9 @@ from sparkdist._core.launch.placement import TORCH_IGNORE_SSL_KEY, Placement
 from sparkdist._core.launch.replica_groups import (
     ReplicaGroup,
     group_checkpoint_dir,
+    lost_for_good,
     merged_result,
+    too_few_groups,
 )
 from sparkdist._core.run.result import RunResult
 from sparkdist._engine.ending import Ending, interruption
@@ -135,15 +140,42 @@ class GroupedLaunch(Ending):
         return self._groups[0].mlflow_run_id
 
     def _watch(self) -> None:
-        """Wait for every group; the first to end with an error ends the others."""
+        """Wait for every group. A group lost for good to host faults (``lost_for_good``) leaves
+        the others going while ``min_replica_groups`` are left; any other error ends the run."""
+        lost: dict[int, WorkerFailedError] = {}
+        seen: set[int] = set()
         try:
             while not self._cancelled.is_set():
-                failed = next((g for g in self._groups if g.done() and _error_of(g)), None)
-                if failed is not None:
-                    self._fail(failed)
-                    return
-                if all(g.done() for g in self._groups):
-                    self._result = merged_result([g.result(0) for g in self._groups])
+                for index, group in enumerate(self._groups):
+                    if index in seen or not group.done():
+                        continue
+                    seen.add(index)
+                    error = _error_of(group)
+                    if error is None:
+                        continue
+                    if not lost_for_good(error):
+                        self._fail(group)
+                        return
+                    assert isinstance(error, WorkerFailedError)
+                    lost[index] = error
+                    too_few = too_few_groups(
+                        lost, len(self._groups), self.config.min_replica_groups
+                    )
+                    if too_few is not None:
+                        self._stop_groups("too few replica groups are left")
+                        self._error = too_few
+                        return
+                    logger.warning(
+                        "sparkdist: run %s: replica group %d is lost for good (%s); the other "
+                        "groups go on",
+                        self.run_id,
+                        index,
+                        error.root_cause.summary(),
+                    )
+                if len(seen) == len(self._groups):
+                    finished = [g.result(0) for i, g in enumerate(self._groups) if i not in lost]
+                    lost_attempts = [a for e in lost.values() for a in e.history]
+                    self._result = merged_result(finished, lost_attempts)
                     return
                 self._cancelled.wait(_POLL_S)
             self._stop_groups(self._cancel_reason)

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from sparkdist import Distributor, WorkerFailedError
+from sparkdist import ClusterError, Distributor, WorkerFailedError
 
 pytest.importorskip("torchft")
 
@@ -32,6 +32,8 @@ def train_in_groups(
     raise_at_step: int | None,
     hang_at_step: int | None = None,
     relaunch_delay_s: float = 0.0,
+    kill_every_attempt: bool = False,
+    groups_at_the_end: int = 3,
 ) -> dict[str, object]:
     """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only),
     raises (every attempt) from the given step on, or hangs (first attempt only). Each group
@@ -67,7 +69,8 @@ def train_in_groups(
             step = manager.current_step()
             # ">=": a group that started late heals past a step, it may never be at that one
             first_attempt = runtime.restart_count() == 0
-            if group == 1 and first_attempt and kill_at_step is not None and step >= kill_at_step:
+            killed = first_attempt or kill_every_attempt
+            if group == 1 and killed and kill_at_step is not None and step >= kill_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if group == 1 and raise_at_step is not None and step >= raise_at_step:
                 raise ValueError("a bad batch")
@@ -85,7 +88,7 @@ def train_in_groups(
                 first_step = manager.current_step()  # a healed group's is its peers' step
             if committed:
                 participants.append(manager.num_participants())
-                full = participants[-FULL_STEPS:] == [3] * FULL_STEPS
+                full = participants[-FULL_STEPS:] == [groups_at_the_end] * FULL_STEPS
                 if full and manager.current_step() >= MIN_STEPS:  # the same step in every group
                     break
             time.sleep(0.02)  # the survivors must still be stepping when the relaunch joins
@@ -102,15 +105,16 @@ def train_in_groups(
 
 
 def _groups(**options: object) -> Distributor:
-    return Distributor(
-        num_processes=3,
-        replica_groups=3,
-        local_mode=True,
-        use_gpu=False,
-        max_restarts=2,
-        timeout_s=120,
-        **options,  # type: ignore[arg-type]
-    )
+    settings: dict[str, object] = {
+        "num_processes": 3,
+        "replica_groups": 3,
+        "local_mode": True,
+        "use_gpu": False,
+        "max_restarts": 2,
+        "timeout_s": 120,
+        **options,
+    }
+    return Distributor(**settings)  # type: ignore[arg-type]
 
 
 def test_a_killed_group_is_relaunched_and_heals_while_the_others_go_on() -> None:
@@ -164,3 +168,28 @@ def test_a_hung_group_is_ended_whole_and_relaunched_while_the_others_go_on() -> 
         assert 2 in survivor["participants"], survivor["participants"]
     assert by_group[1]["first_step"] > 6
     assert by_group[0]["weights"] == by_group[1]["weights"] == by_group[2]["weights"]
+
+
+def test_a_group_lost_for_good_to_host_faults_leaves_the_others_going() -> None:
+    # Group 1's rank is killed in every attempt (a host that keeps dying): after its one
+    # relaunch it is lost for good, and the two others finish without it.
+    result = _groups(max_restarts=1).run_all(
+        train_in_groups, 5, None, kill_every_attempt=True, groups_at_the_end=2
+    )
+
+    assert sorted(v["group"] for v in result.values) == [0, 2]  # the finished groups' values
+    assert all(v["restarts"] == 0 for v in result.values)
+    lost = [a for a in result.attempts if a.replica_group == 1]
+    assert [a.number for a in lost] == [0, 1] and all(a.failure is not None for a in lost)
+    assert result.values[0]["weights"] == result.values[1]["weights"]
+
+
+def test_fewer_groups_than_min_replica_groups_fails_the_run_naming_the_lost_ones() -> None:
+    with pytest.raises(ClusterError) as caught:
+        _groups(max_restarts=1, min_replica_groups=3).run_all(
+            train_in_groups, 5, None, kill_every_attempt=True
+        )
+
+    message = str(caught.value)
+    assert "only 2 of 3 replica groups are left, fewer than min_replica_groups=3" in message
+    assert "replica group 1 (on 127.0.0.1): rank 0 on 127.0.0.1" in message, message

@@ -6,13 +6,21 @@ from __future__ import annotations
 import pytest
 
 from sparkdist._core.env import check_user_env
-from sparkdist._core.errors import Attempt, ConfigError, RankFailure, WorkerFailedError
+from sparkdist._core.errors import (
+    Attempt,
+    ClusterError,
+    ConfigError,
+    RankFailure,
+    WorkerFailedError,
+)
 from sparkdist._core.launch.config import build_config
 from sparkdist._core.launch.replica_groups import (
     ReplicaGroup,
     group_checkpoint_dir,
+    lost_for_good,
     manager_kwargs,
     merged_result,
+    too_few_groups,
 )
 from sparkdist._core.run.attempts import final_error, repeated_failure_stop
 from sparkdist._core.run.result import RankTimeline, RunResult
@@ -139,3 +147,39 @@ def test_torchfts_log_is_quieted_unless_the_user_set_it() -> None:
     with quiet_rust_log(mine):
         assert mine == {"RUST_LOG": "debug"}
     assert mine == {"RUST_LOG": "debug"}
+
+
+def _ended(exc_type: str) -> WorkerFailedError:
+    failure = RankFailure(0, "10.0.0.3", -9 if not exc_type else 1, exc_type, "gone")
+    history = (
+        Attempt(0, ("10.0.0.3",), failure, replica_group=1),
+        Attempt(1, ("10.0.0.4",), failure, replica_group=1),
+    )
+    return WorkerFailedError({0: failure}, failure, (failure,), history)
+
+
+def test_a_group_lost_to_host_faults_is_lost_for_good_and_a_bug_ends_the_run() -> None:
+    assert lost_for_good(_ended(""))  # ranks that died with no exception of the user's
+    assert not lost_for_good(_ended("builtins.ValueError"))
+    assert not lost_for_good(ClusterError("the stage could not start"))
+
+
+def test_too_few_groups_names_each_lost_group_and_its_hosts() -> None:
+    lost = {1: _ended("")}
+    assert too_few_groups(lost, count=3, min_replica_groups=2) is None
+    error = too_few_groups(lost, count=3, min_replica_groups=3)
+    assert error is not None
+    assert "only 2 of 3 replica groups are left, fewer than min_replica_groups=3" in str(error)
+    assert "replica group 1 (on 10.0.0.3, 10.0.0.4): rank 0 on 10.0.0.3" in str(error)
+
+
+def test_the_lost_groups_attempts_join_the_result_in_group_order() -> None:
+    lost = list(_ended("").history)
+    merged = merged_result([_result([10], 0), _result([30], 2)], lost)
+    assert merged.values == [10, 30]
+    assert [(a.replica_group, a.number) for a in merged.attempts] == [
+        (0, 0),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+    ]

@@ -22,7 +22,7 @@ from sparkdist._core.env import (
     NUM_REPLICA_GROUPS_VAR,
     REPLICA_GROUP_VAR,
 )
-from sparkdist._core.errors import ConfigError
+from sparkdist._core.errors import Attempt, ClusterError, ConfigError, WorkerFailedError
 from sparkdist._core.launch.checks import check_positive_int
 from sparkdist._core.run.result import RankTimeline, RunResult
 
@@ -109,9 +109,10 @@ def group_checkpoint_dir(checkpoint_dir: str, index: int) -> str:
     return f"{checkpoint_dir.rstrip('/')}/{REPLICA_ID_PREFIX}{index}"
 
 
-def merged_result(results: Sequence[RunResult]) -> RunResult:
-    """The run's result from its groups' (group 0 first): every rank's value ordered by
-    (group, rank), every group's attempts, group 0's run id, MLflow run and metrics."""
+def merged_result(results: Sequence[RunResult], lost: Sequence[Attempt] = ()) -> RunResult:
+    """The run's result from its finished groups' (in group order): every rank's value ordered
+    by (group, rank), every group's attempts (``lost``: those of the groups lost for good), the
+    first finished group's run id, MLflow run and metrics."""
     first = results[0]
     offsets = _rank_offsets([len(r.values) for r in results])
     timeline: list[RankTimeline] = [
@@ -128,8 +129,39 @@ def merged_result(results: Sequence[RunResult]) -> RunResult:
         dropped_lines=sum(r.dropped_lines for r in results),
         timeline=timeline,
         system_samples=[s for r in results for s in r.system_samples],
-        attempts=[a for r in results for a in r.attempts],
+        attempts=sorted(
+            [*(a for r in results for a in r.attempts), *lost],
+            key=lambda a: (a.replica_group or 0, a.number),
+        ),
     )
+
+
+def lost_for_good(error: BaseException) -> bool:
+    """Whether a group that ended with ``error`` is lost to faults of its hosts (its relaunches
+    spent on ranks that died with no exception of the user's): the other groups go on without
+    it. Anything else (an exception of the training code, a timeout, a start that cannot work)
+    ends the run."""
+    return isinstance(error, WorkerFailedError) and not error.root_cause.exc_type
+
+
+def too_few_groups(
+    lost: Mapping[int, WorkerFailedError], count: int, min_replica_groups: int
+) -> ClusterError | None:
+    """The run's error once fewer than ``min_replica_groups`` of its ``count`` groups are left
+    (``lost``: each group lost for good, by number), naming each lost group and its hosts; None
+    while enough are left."""
+    left = count - len(lost)
+    if left >= min_replica_groups:
+        return None
+    lines = [
+        f"only {left} of {count} replica groups are left, fewer than min_replica_groups="
+        f"{min_replica_groups}: every relaunch of these groups was spent on host faults, and "
+        "every other group was stopped"
+    ]
+    for index, error in sorted(lost.items()):
+        hosts = sorted({h for a in error.history for h in a.hosts} or {error.root_cause.host})
+        lines.append(f"replica group {index} (on {', '.join(hosts)}): {error.root_cause.summary()}")
+    return ClusterError("\n".join(lines))
 
 
 def _rank_offsets(sizes: Sequence[int]) -> list[int]:
