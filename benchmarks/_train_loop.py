@@ -39,24 +39,9 @@ def ddp_mlp_steps(steps: int, warmup: int, hidden: int, report: bool = False) ->
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = DistributedDataParallel(
-        nn.Sequential(
-            nn.Linear(INPUT_DIM, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, 1),
-        )
-    )
+    model = DistributedDataParallel(_mlp(hidden))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
-    generator = torch.Generator().manual_seed(1 + rank)
-    batches = [
-        (
-            torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
-            torch.randn(BATCH_SIZE, 1, generator=generator),
-        )
-        for _ in range(NUM_BATCHES)
-    ]
+    batches = _batches(1 + rank)
     report_step = _reporter() if report else None
     total = warmup + steps
     step_s: list[float] = []
@@ -95,13 +80,7 @@ def torchft_mlp_steps(steps: int, warmup: int, hidden: int) -> dict[str, Any]:
 
     group = runtime.replica_group()
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(INPUT_DIM, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, hidden),
-        nn.ReLU(),
-        nn.Linear(hidden, 1),
-    )
+    model = _mlp(hidden)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     pg = torchft.ProcessGroupGloo()
     manager = torchft.Manager(
@@ -112,14 +91,7 @@ def torchft_mlp_steps(steps: int, warmup: int, hidden: int) -> dict[str, Any]:
         **runtime.torchft_manager_kwargs(pg),
     )
     ft_optimizer = torchft.Optimizer(manager, optimizer)
-    generator = torch.Generator().manual_seed(1 + group)
-    batches = [
-        (
-            torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
-            torch.randn(BATCH_SIZE, 1, generator=generator),
-        )
-        for _ in range(NUM_BATCHES)
-    ]
+    batches = _batches(1 + group)
     step_s: list[float] = []
     try:
         for step in range(warmup + steps):
@@ -141,6 +113,33 @@ def torchft_mlp_steps(steps: int, warmup: int, hidden: int) -> dict[str, Any]:
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
+
+
+def _mlp(hidden: int) -> Any:
+    """The timed model: in INPUT_DIM, two hidden layers of ``hidden``, out 1."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(INPUT_DIM, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, 1),
+    )
+
+
+def _batches(seed: int) -> list[Any]:
+    """``NUM_BATCHES`` pre-generated (input, target) batches: making data is not a step."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(BATCH_SIZE, INPUT_DIM, generator=generator),
+            torch.randn(BATCH_SIZE, 1, generator=generator),
+        )
+        for _ in range(NUM_BATCHES)
+    ]
 
 
 def _reporter() -> Any:

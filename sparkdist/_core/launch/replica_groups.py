@@ -186,7 +186,9 @@ def manager_kwargs(env: Mapping[str, str]) -> dict[str, object]:
             "started with replica_groups=R (Distributor(..., replica_groups=R))"
         )
     return {
-        "replica_id": f"{REPLICA_ID_PREFIX}{int(group)}",
+        "replica_id": ReplicaGroup(
+            int(group), int(env.get(NUM_REPLICA_GROUPS_VAR, "1")), env[LIGHTHOUSE_VAR]
+        ).replica_id,
         "lighthouse_addr": env[LIGHTHOUSE_VAR],
         # torchft advertises socket.gethostname() by default, loopback on many hosts: this
         # node's address, as the driver reached it, is what the other groups can reach.
