@@ -50,6 +50,7 @@ from sparkdist._engine.supervisor import (
     supervise,
 )
 from sparkdist._node.host.signal_notice import notices_during
+from sparkdist._tracking.mlflow_run import MlflowRun
 from sparkdist._tracking.tracker import RunTracker
 from sparkdist._wire.channel.server import ChannelServer, new_secret
 from sparkdist._wire.payload import Job
@@ -69,7 +70,10 @@ class Launch(Ending):
         ignore_ssl_key: str = TORCH_IGNORE_SSL_KEY,
         dataframe: Any | None = None,
         replica_group: ReplicaGroup | None = None,
+        mlflow_parent: MlflowRun | None = None,
     ) -> None:
+        """``replica_group``: the group of a replica-group run this launch is (its torchft
+        variables go to every rank); ``mlflow_parent``: that run's MLflow run."""
         super().__init__()
         prepared = prepare(
             config,
@@ -109,7 +113,13 @@ class Launch(Ending):
             target=self._supervise, name=f"sparkdist-supervisor-{self.run_id}", daemon=True
         )
         # MLflow set-up starts here, on its own thread, and overlaps the workers' start-up.
-        self._tracker = RunTracker(config, placement, self.run_id)
+        self._tracker = RunTracker(
+            config,
+            placement,
+            self.run_id,
+            mlflow_parent=mlflow_parent,
+            mlflow_tags=replica_group.mlflow_tags() if replica_group is not None else None,
+        )
         sweep_job_leftovers()  # killed drivers' job files go at any start, whatever its mode
         try:
             if prepared.plan.job_as_file:

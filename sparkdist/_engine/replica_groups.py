@@ -13,6 +13,9 @@ that ends with any other error (an exception of the training code, the same one 
 that cannot work, a timeout) ends the run: every other group is stopped and its error is raised,
 naming the group. The run's result is the finished groups', merged (``merged_result``).
 
+MLflow: the whole run has a run of its own (created, or the caller's active one) that ends with
+the run's outcome and names the groups lost for good; each group's run is nested under it.
+
 It offers what ``Launch`` offers (``wait``, ``result``, ``done``, ``cancel``...), so every front
 door takes either (``_engine.start``).
 
@@ -27,6 +30,7 @@ import dataclasses
 import logging
 import os
 import threading
+import uuid
 from signal import SIGTERM
 from typing import Any
 
@@ -52,6 +56,9 @@ from sparkdist._engine.lighthouse import (
 )
 from sparkdist._engine.supervisor import ABORT_GRACE_S
 from sparkdist._node.host.signal_notice import notices_during
+from sparkdist._tracking.mlflow_run import MlflowRun
+from sparkdist._tracking.progress import ProgressDisplay
+from sparkdist._tracking.tracker import tracking_wanted
 from sparkdist._wire.payload import Job
 
 logger = logging.getLogger("sparkdist")
@@ -105,8 +112,20 @@ class GroupedLaunch(Ending):
         backend = select_backend(config, session, ignore_ssl_key=ignore_ssl_key)
         # The whole run placed once: the cluster must hold every group at once (each group's
         # Launch then places its own share), and the driver's address is known from here on.
-        backend.place(config)
+        placement = backend.place(config)
+        self.run_id = uuid.uuid4().hex[:12]
         self._lighthouse = Lighthouse(backend.driver_host, config.min_replica_groups)
+        self._mlflow = (
+            MlflowRun(
+                config,
+                placement,
+                self.run_id,
+                ProgressDisplay(self.run_id),  # announces where the run is; no bar of its own
+                tags={"sparkdist.replica_groups": str(config.replica_groups)},
+            )
+            if tracking_wanted(config.mlflow)
+            else None
+        )
         self._groups: list[Launch] = []
         try:
             for index in range(config.replica_groups):
@@ -118,14 +137,15 @@ class GroupedLaunch(Ending):
                         session=session,
                         ignore_ssl_key=ignore_ssl_key,
                         replica_group=group,
+                        mlflow_parent=self._mlflow,
                     )
                 )
         except BaseException as exc:
             self._stop_groups(interruption(exc))
             self._lighthouse.close()
+            self._close_mlflow(None, exc)
             raise
         first = self._groups[0]
-        self.run_id = first.run_id
         self.plan = first.plan
         self.placement: Placement = first.placement
         self._cancelled = threading.Event()
@@ -136,8 +156,8 @@ class GroupedLaunch(Ending):
 
     @property
     def mlflow_run_id(self) -> str | None:
-        """Group 0's MLflow run (each group tracks its own)."""
-        return self._groups[0].mlflow_run_id
+        """The whole run's MLflow run (each group's is nested under it), once it exists."""
+        return None if self._mlflow is None else self._mlflow.mlflow_run_id
 
     def _watch(self) -> None:
         """Wait for every group. A group lost for good to host faults (``lost_for_good``) leaves
@@ -175,7 +195,7 @@ class GroupedLaunch(Ending):
                 if len(seen) == len(self._groups):
                     finished = [g.result(0) for i, g in enumerate(self._groups) if i not in lost]
                     lost_attempts = [a for e in lost.values() for a in e.history]
-                    self._result = merged_result(finished, lost_attempts)
+                    self._result = merged_result(self.run_id, finished, lost_attempts)
                     return
                 self._cancelled.wait(_POLL_S)
             self._stop_groups(self._cancel_reason)
@@ -185,7 +205,24 @@ class GroupedLaunch(Ending):
             self._error = exc
         finally:
             self._lighthouse.close()
+            if lost and self._mlflow is not None:
+                self._mlflow.set_tags({"sparkdist.lost_replica_groups": ",".join(map(str, lost))})
+            self._close_mlflow(self._result, self._error)
             self._done.set()
+
+    def _close_mlflow(self, result: RunResult | None, error: BaseException | None) -> None:
+        """End the whole run's MLflow run with the run's outcome (never fails the run)."""
+        if self._mlflow is None:
+            return
+        hosts = result.hosts if result is not None else []
+        relaunches = len(result.attempts) - len(self._groups) if result is not None else 0
+        try:
+            mlflow_run_id = self._mlflow.close(error, hosts, relaunches)
+        except Exception:  # tracking never changes a run's outcome
+            logger.debug("sparkdist: closing the run's MLflow run failed", exc_info=True)
+            return
+        if result is not None:
+            self._result = dataclasses.replace(result, mlflow_run_id=mlflow_run_id)
 
     def _fail(self, failed: Launch) -> None:
         group = failed.replica_group

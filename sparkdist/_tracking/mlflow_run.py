@@ -19,6 +19,11 @@ run with one line saying so.
 Nodes' system samples go with the metrics (named by the tracker), straggler tags as they come,
 and the run's report (a PNG) as an artifact with the outcome.
 
+A replica-group run (torchft) has one MLflow run for the whole run (created, or the caller's
+own, as above) and one nested run per group under it (``parent``): each group's ranks log to
+their group's run, and the whole run's says how the run ended. Only the whole run's says where
+it is.
+
 Non-goals: models, autologging; which rank's reports count (``_tracking``).
 """
 
@@ -31,6 +36,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlparse
 
@@ -75,10 +81,21 @@ class MlflowRun:
     """The MLflow side: set-up thread, hold/release of rendezvous, metric batches, outcome."""
 
     def __init__(
-        self, config: LaunchConfig, placement: Placement, run_id: str, display: ProgressDisplay
+        self,
+        config: LaunchConfig,
+        placement: Placement,
+        run_id: str,
+        display: ProgressDisplay,
+        *,
+        parent: MlflowRun | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
+        """``parent``: the whole run's, when this is one replica group's (created nested under
+        it); ``tags``: set on the run besides sparkdist's own."""
         self.run_id = run_id
         self.mlflow_run_id: str | None = None
+        self._parent = parent
+        self._run_tags = dict(tags or {})
         self._config = config
         self._placement = placement
         self._display = display
@@ -116,6 +133,13 @@ class MlflowRun:
                 return
         if env:
             monitor.release_rendezvous(env)
+
+    def ready_env(self, timeout_s: float) -> dict[str, str]:
+        """The run's variables for the ranks once it is set up, waiting at most ``timeout_s``;
+        {} while it is not, or when tracking is off."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._env is not None, timeout=timeout_s)
+            return dict(self._env or {})
 
     def log_metrics(self, step: int, metrics: dict[str, float], at: float | None = None) -> None:
         """Queue ``metrics`` of ``step``, taken at ``at`` (wall-clock seconds; default now)."""
@@ -159,6 +183,9 @@ class MlflowRun:
     # -- the MLflow thread -------------------------------------------------------------------
 
     def _main(self) -> None:
+        if self._parent is not None and not self._parent.ready_env(self._setup_timeout_s):
+            self._release({})  # the whole run's tracking is off, and said so there, once
+            return
         try:
             started = self._start_run()
         except Exception as exc:  # a broken store, an unreachable server, a bad run id...
@@ -182,9 +209,15 @@ class MlflowRun:
             if owned:
                 _quietly(client.set_terminated, run.info.run_id, "KILLED")
             return
-        if not is_local_store(uri):  # a server shows the run as it goes: its page, now
+        nested = self._parent is not None  # the whole run's says where it is
+        if not is_local_store(uri) and not nested:  # a server shows it as it goes: its page
             self._display.announce(_run_page(uri, run.info.experiment_id, run.info.run_id))
-        if not self._config.local_mode and is_local_store(uri) and not _spark_master_is_local():
+        if (
+            not nested
+            and not self._config.local_mode
+            and is_local_store(uri)
+            and not _spark_master_is_local()
+        ):
             logger.warning(
                 "sparkdist: MLflow tracks to %s on the driver; mlflow.log_* inside the ranks "
                 "only reaches it where the executors share that path. Set MLFLOW_TRACKING_URI "
@@ -197,7 +230,8 @@ class MlflowRun:
         except Exception:
             logger.warning("sparkdist: logging the launch's params to MLflow failed", exc_info=True)
         last_metrics = self._pump(client, run.info.run_id)
-        if self._log_outcome(client, run.info.run_id, owned, last_metrics) and is_local_store(uri):
+        logged = self._log_outcome(client, run.info.run_id, owned, last_metrics)
+        if logged and is_local_store(uri) and not nested:
             self._display.announce(
                 f"MLflow run {run.info.run_id} logged to {uri} (open it with: mlflow ui "
                 f"--backend-store-uri {uri})"
@@ -212,6 +246,15 @@ class MlflowRun:
             raise  # installed but broken: say why
         uri = tracking_uri(self._context.tracking_uri)
         client = open_client(uri)  # quiet; usually opened already by the warm-up
+        if self._parent is not None:  # a replica group's: nested under the whole run's
+            parent = self._parent.ready_env(0.0)  # set up: _main waited for it
+            tags = {
+                "sparkdist.run_id": self.run_id,
+                "mlflow.parentRunId": parent[MLFLOW_RUN_ID_VAR],
+                **self._run_tags,
+            }
+            run = client.create_run(parent[MLFLOW_EXPERIMENT_ID_VAR], tags=tags)
+            return client, run, True, parent[MLFLOW_TRACKING_URI_VAR]
         reused = self._context.run_id or os.environ.get(MLFLOW_RUN_ID_VAR)
         if reused:
             # Someone else's run (the notebook's active run, a job's MLFLOW_RUN_ID): logged
@@ -229,6 +272,7 @@ class MlflowRun:
             if self._env is not None:
                 return False
             self._env = env
+            self._cond.notify_all()  # ready_env's waiters
             self._off = not env
             if self._off:
                 self._queue.clear()
@@ -274,7 +318,7 @@ class MlflowRun:
         if not owned:  # params are write-once: a reused run may hold them from a past launch
             have = run.data.params
             wanted = {k: v for k, v in wanted.items() if k not in have}
-        tags = {"sparkdist.run_id": self.run_id}
+        tags = {"sparkdist.run_id": self.run_id, **self._run_tags}
         if owned:
             tags = {**_context_tags(), **tags}
         client.log_batch(

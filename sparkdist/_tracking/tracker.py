@@ -19,6 +19,7 @@ import math
 import os
 import tempfile
 import threading
+from collections.abc import Mapping
 
 from sparkdist._core.launch.config import LaunchConfig
 from sparkdist._core.launch.placement import Placement
@@ -39,7 +40,17 @@ logger = logging.getLogger("sparkdist")
 class RunTracker:
     """Progress display, last metrics and (optionally) the MLflow run of one launch."""
 
-    def __init__(self, config: LaunchConfig, placement: Placement, run_id: str) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        placement: Placement,
+        run_id: str,
+        *,
+        mlflow_parent: MlflowRun | None = None,
+        mlflow_tags: Mapping[str, str] | None = None,
+    ) -> None:
+        """``mlflow_parent``: the whole run's MLflow run, when this launch is one replica group
+        (its own run nests under it); ``mlflow_tags``: set on the MLflow run."""
         self.display = ProgressDisplay(run_id)
         self.last_metrics: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -51,7 +62,9 @@ class RunTracker:
         self._attempts = 0
         self.watch = RunWatch(config, placement)
         self._mlflow = (
-            MlflowRun(config, placement, run_id, self.display)
+            MlflowRun(
+                config, placement, run_id, self.display, parent=mlflow_parent, tags=mlflow_tags
+            )
             if tracking_wanted(config.mlflow)
             else None
         )

@@ -244,6 +244,44 @@ def test_active_run_is_reused_and_left_to_its_owner(tracking_store):
         assert run.data.params["sparkdist.num_processes"] == "2"
 
 
+def group_and_run_or_lost():
+    """Each replica group's MLflow run as its rank sees it; group 1's rank dies (no exception
+    of its own: a lost host), in every attempt."""
+    import signal
+
+    from sparkdist import runtime
+
+    if runtime.replica_group() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return runtime.replica_group(), os.environ.get("MLFLOW_RUN_ID")
+
+
+def test_replica_groups_nest_their_runs_under_the_whole_runs(tracking_store):
+    pytest.importorskip("torchft")
+    import mlflow
+
+    groups = Distributor(2, use_gpu=False, mlflow=True, replica_groups=2, max_restarts=0)
+    with mlflow.start_run() as active:  # the notebook's run: the whole run's, left to its owner
+        result = groups.run_all(group_and_run_or_lost)
+        whole = client(tracking_store).get_run(active.info.run_id)
+    assert result.mlflow_run_id == active.info.run_id
+    assert whole.info.status == "RUNNING"
+    assert whole.data.tags["sparkdist.replica_groups"] == "2"
+    assert whole.data.tags["sparkdist.lost_replica_groups"] == "1"  # names the lost group
+    nested = client(tracking_store).search_runs(
+        [whole.info.experiment_id], f"tags.mlflow.parentRunId = '{active.info.run_id}'"
+    )
+    by_group = {run.data.tags["sparkdist.replica_group"]: run for run in nested}
+    assert sorted(by_group) == ["0", "1"]
+    assert by_group["1"].info.run_name == "replica_group_1"
+    # Group 0's rank logged to its own group's run, which finished; group 1's, lost for good,
+    # failed naming its host.
+    assert result.values == [(0, by_group["0"].info.run_id)]
+    assert by_group["0"].info.status == "FINISHED"
+    assert by_group["1"].info.status == "FAILED"
+    assert by_group["1"].data.tags["sparkdist.root_cause_host"] == "127.0.0.1"
+
+
 def test_mlflow_run_id_from_the_environment_is_reused(monkeypatch, tracking_store):
     existing = client(tracking_store).create_run("0").info.run_id
     monkeypatch.setenv("MLFLOW_RUN_ID", existing)

@@ -107,12 +107,14 @@ def _result(values: list[int], group: int) -> RunResult:
 
 
 def test_the_runs_result_orders_every_rank_by_group_then_rank() -> None:
-    merged = merged_result([_result([10, 11], 0), _result([20, 21], 1), _result([30, 31], 2)])
+    merged = merged_result(
+        "whole", [_result([10, 11], 0), _result([20, 21], 1), _result([30, 31], 2)]
+    )
     assert merged.values == [10, 11, 20, 21, 30, 31]
     assert merged.hosts[2:4] == ["10.0.0.1", "10.0.0.1"]
     assert [t.rank for t in merged.timeline] == [0, 1, 2, 3, 4, 5]
     assert [a.replica_group for a in merged.attempts] == [0, 1, 2]
-    assert (merged.run_id, merged.num_tasks) == ("run0", 3)
+    assert (merged.run_id, merged.num_tasks) == ("whole", 3)  # the whole run's id
 
 
 def _failed(number: int, exc_type: str, message: str) -> Attempt:
@@ -175,7 +177,7 @@ def test_too_few_groups_names_each_lost_group_and_its_hosts() -> None:
 
 def test_the_lost_groups_attempts_join_the_result_in_group_order() -> None:
     lost = list(_ended("").history)
-    merged = merged_result([_result([10], 0), _result([30], 2)], lost)
+    merged = merged_result("whole", [_result([10], 0), _result([30], 2)], lost)
     assert merged.values == [10, 30]
     assert [(a.replica_group, a.number) for a in merged.attempts] == [
         (0, 0),

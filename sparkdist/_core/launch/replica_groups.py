@@ -55,6 +55,10 @@ class ReplicaGroup:
         """The group as logs and errors name it: ``replica group 1 of 3``."""
         return f"replica group {self.index} of {self.count}"
 
+    def mlflow_tags(self) -> dict[str, str]:
+        """The group's MLflow run's tags: its name in the MLflow UI, and its number."""
+        return {"mlflow.runName": self.replica_id, "sparkdist.replica_group": str(self.index)}
+
     def env(self) -> dict[str, str]:
         """torchft's variables for every rank of the group."""
         return {
@@ -109,10 +113,13 @@ def group_checkpoint_dir(checkpoint_dir: str, index: int) -> str:
     return f"{checkpoint_dir.rstrip('/')}/{REPLICA_ID_PREFIX}{index}"
 
 
-def merged_result(results: Sequence[RunResult], lost: Sequence[Attempt] = ()) -> RunResult:
-    """The run's result from its finished groups' (in group order): every rank's value ordered
-    by (group, rank), every group's attempts (``lost``: those of the groups lost for good), the
-    first finished group's run id, MLflow run and metrics."""
+def merged_result(
+    run_id: str, results: Sequence[RunResult], lost: Sequence[Attempt] = ()
+) -> RunResult:
+    """The result of run ``run_id`` from its finished groups' (in group order): every rank's
+    value ordered by (group, rank), every group's attempts (``lost``: those of the groups lost
+    for good), the first finished group's metrics (its MLflow run until the whole run's is
+    set)."""
     first = results[0]
     offsets = _rank_offsets([len(r.values) for r in results])
     timeline: list[RankTimeline] = [
@@ -122,6 +129,7 @@ def merged_result(results: Sequence[RunResult], lost: Sequence[Attempt] = ()) ->
     ]
     return dataclasses.replace(
         first,
+        run_id=run_id,
         values=[v for r in results for v in r.values],
         wall_times_s=[w for r in results for w in r.wall_times_s],
         hosts=[h for r in results for h in r.hosts],

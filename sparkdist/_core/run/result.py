@@ -71,7 +71,8 @@ class RunResult:
         values: each rank's return value, indexed by global rank (None for scripts).
         wall_times_s: seconds each rank's process ran, by global rank.
         hosts: the host each rank ran on, by global rank.
-        run_id: the run's id (also each rank's TORCHELASTIC_RUN_ID).
+        run_id: the run's id (also each rank's TORCHELASTIC_RUN_ID; with replica groups,
+            the whole run's, and each group's ranks have their group's own).
         mode: the launch mode's name ("ddp", "fsdp", "deepspeed").
         use_gpu: whether ranks were bound to GPUs.
         local_mode: whether ranks ran on the driver.
