@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -193,3 +194,73 @@ def test_fewer_groups_than_min_replica_groups_fails_the_run_naming_the_lost_ones
     message = str(caught.value)
     assert "only 2 of 3 replica groups are left, fewer than min_replica_groups=3" in message
     assert "replica group 1 (on 127.0.0.1): rank 0 on 127.0.0.1" in message, message
+
+
+def train_with_checkpoints(steps: int, save_at: int | None) -> dict[str, object]:
+    """Two replica groups train ``steps`` committed steps, each group saving its own checkpoint
+    (the model and torchft's step) at step ``save_at``; a run that finds a checkpoint resumes
+    from it: the durable tier beside torchft, for when every group is lost."""
+    import torch
+    import torchft
+
+    from sparkdist import runtime
+
+    group = runtime.replica_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pg = torchft.ProcessGroupGloo()
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=2,  # both groups in every step, so each run's steps are alike
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        **runtime.torchft_manager_kwargs(pg),
+    )
+    found = runtime.load_checkpoint()
+    if found is not None:
+        model.load_state_dict(found.state["model"])
+        manager.load_state_dict(found.state["torchft"])
+    resumed_at = manager.current_step()
+    wrapped = torchft.Optimizer(manager, optimizer)
+    try:
+        for _ in range(MAX_STEPS):
+            step = manager.current_step()
+            if step >= steps:
+                break
+            wrapped.zero_grad()
+            generator = torch.Generator().manual_seed(1000 * step + group)
+            x = torch.randn(8, 4, generator=generator)
+            torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
+            runtime.average_gradients(manager, model)
+            wrapped.step()
+            if manager.current_step() > step and manager.current_step() == save_at:
+                state = {"model": model.state_dict(), "torchft": manager.state_dict()}
+                runtime.save_checkpoint(state, manager.current_step())
+        return {
+            "group": group,
+            "resumed_at": resumed_at,
+            "step": manager.current_step(),
+            "weights": [p.detach().clone().tolist() for p in model.parameters()],
+        }
+    finally:
+        manager.shutdown(wait=False)
+
+
+def test_each_group_checkpoints_on_its_own_and_a_new_run_resumes_from_them(
+    tmp_path: Path,
+) -> None:
+    checkpoints = tmp_path / "ckpt"
+    options = {"num_processes": 2, "replica_groups": 2, "checkpoint_dir": str(checkpoints)}
+    whole = _groups(**options).run_all(train_with_checkpoints, 10, 6).values
+
+    # Each group wrote its own checkpoint of step 6, under its own directory.
+    for group in (0, 1):
+        assert (checkpoints / f"replica_group_{group}" / "step-000000006" / "COMMITTED").is_file()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["replica_group_0", "replica_group_1"]
+    # Every group lost (a new run, as after the run failed): each group resumes from its own
+    # checkpoint, at step 6 with torchft's step, and ends where the uninterrupted run ended.
+    resumed = _groups(**options).run_all(train_with_checkpoints, 10, None).values
+    assert [v["resumed_at"] for v in resumed] == [6, 6]
+    assert [v["step"] for v in resumed] == [v["step"] for v in whole] == [10, 10]
+    assert resumed[0]["weights"] == resumed[1]["weights"] == whole[0]["weights"]
