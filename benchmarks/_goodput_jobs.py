@@ -12,6 +12,8 @@ which is how the rest of the benchmark sees it:
   faults find a rank to strike (``read_note``);
 - ``entered.log``: rank 0's time of entry per attempt; ``steps.log``: a line per step rank 0
   finished (relaunch, restart, step, start, end, world size): the figures (``figures_of``);
+  under replica groups also ``steps-group-G.log``, the steps group G committed (a step group 0
+  missed still counts);
 - checkpoints: sparkdist's ``ckpt/step-*/COMMITTED``, or the user's ``user-checkpoint.pt``.
 
 ``LAB_DRIVER_CODE`` is the lab driver program's counterpart of the user's retry loop
@@ -176,7 +178,9 @@ def train_groups(config: dict[str, Any]) -> dict[str, Any]:
     It writes what ``train`` writes, under the run's global rank (group * group size + rank):
     ``rank-N`` notes (the faults strike rank 1's host: group 1's), and group 0's rank 0 logs
     every step it executed to ``steps.log`` (the world column: the groups in the step's quorum);
-    a step that did not commit is executed again and counts once. ``healed.log``: each
+    a step that did not commit is executed again and counts once. Each other group's first
+    rank logs the steps it committed to ``steps-group-G.log``, so a step the run took while
+    group 0 was not in the quorum counts too. ``healed.log``: each
     relaunched group's first committed step (restart, time), when it had healed.
     Self-contained, as ``train``.
     """
@@ -215,9 +219,14 @@ def train_groups(config: dict[str, Any]) -> dict[str, Any]:
     )
     ft_optimizer = torchft.Optimizer(manager, optimizer)
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(rank))
-    log = -1
+    log, committed_log = -1, -1
     if rank == 0:
         log = os.open(os.path.join(run_dir, "steps.log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    elif runtime.get_global_rank() == 0:  # the other groups' committed steps (``figures_of``)
+        committed_log = os.open(
+            os.path.join(run_dir, f"steps-group-{runtime.replica_group()}.log"),
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+        )
     healed = restart == 0
     try:
         while manager.current_step() < config["steps"]:
@@ -228,9 +237,11 @@ def train_groups(config: dict[str, Any]) -> dict[str, Any]:
             ft_optimizer.step()
             time.sleep(config["step_s"])
             participants = manager.num_participants()
+            line = f"{relaunch} {restart} {step} {began:.6f} {time.time():.6f} {participants}\n"
             if log >= 0:
-                line = f"{relaunch} {restart} {step} {began:.6f} {time.time():.6f} {participants}\n"
                 os.write(log, line.encode())
+            if committed_log >= 0 and manager.current_step() > step:
+                os.write(committed_log, line.encode())
             if not healed and manager.current_step() > step:
                 healed = True
                 with open(os.path.join(run_dir, "healed.log"), "a") as out:
@@ -271,6 +282,13 @@ def figures_of(
     last: dict[int, tuple[float, float]] = {}
     for _, step, began, ended, _ in sorted(rows, key=lambda r: r[3]):
         last[step] = (began, ended)
+    # Replica groups: a step the run committed while group 0 was not in the quorum (it started
+    # late, or healed past it) was the run's progress all the same: it counts as another group
+    # took it (the first group's log that has it).
+    for other in sorted(run_dir.glob("steps-group-*.log")):
+        for line in other.read_text().splitlines():
+            _, _, step_text, began_text, ended_text, _ = line.split()
+            last.setdefault(int(step_text), (float(began_text), float(ended_text)))
     counted = steps if finished else checkpointed_step(run_dir)
     useful = sum(e - b for s, (b, e) in last.items() if s < counted)
     entries = []
