@@ -290,7 +290,11 @@ def figures_of(
             _, _, step_text, began_text, ended_text, _ = line.split()
             last.setdefault(int(step_text), (float(began_text), float(ended_text)))
     counted = steps if finished else checkpointed_step(run_dir)
-    useful = sum(e - b for s, (b, e) in last.items() if s < counted)
+    # A step counts for at most the run's median step: what a step spent waiting (on a quorum
+    # that drops a lost group, on a checkpoint save) is not useful time.
+    typical = statistics.median(e - b for b, e in last.values()) if last else 0.0
+    useful = sum(min(e - b, typical) for s, (b, e) in last.items() if s < counted)
+    first_step = min((b for b, _ in last.values()), default=started) - started
     entries = []
     if (run_dir / "entered.log").exists():
         for line in (run_dir / "entered.log").read_text().splitlines():
@@ -336,6 +340,11 @@ def figures_of(
         "finished": finished,
         "wall_s": rounded(wall_s, 2),
         "goodput": rounded(useful / wall_s if wall_s else None, 3),
+        # The same from the run's first step: the faults' cost alone, without the start-up.
+        "goodput_from_first_step": rounded(
+            useful / (wall_s - first_step) if wall_s > first_step else None, 3
+        ),
+        "first_step_s": rounded(first_step, 2),
         "counted_steps": counted,
         "executed_steps": len(rows),
         "faults": len(strikes),

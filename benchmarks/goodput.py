@@ -37,7 +37,10 @@ a shrunk run is slower. ``--plot out.png`` (matplotlib) draws each lab run's wor
 steps per second over time with the faults marked (docs/restarts.md shows one).
 
 Figures per run: ``goodput`` (sum of the durations of the steps that count, i.e. the last
-execution of each step index, over the wall time from the first launch to the result),
+execution of each step index, each at most the run's median step, over the wall time from the
+first launch to the result: a step's wait for a quorum or a checkpoint is not useful),
+``goodput_from_first_step`` (the same over the wall time from the first step: the faults' cost
+without the start-up), ``first_step_s`` (from the launch to the first step),
 ``lost_per_fault`` ((steps executed - steps) / faults), ``restarts`` (sparkdist's),
 ``relaunches`` (by user code), ``recovery_s`` (median, from a fault to the first step of the
 next attempt), ``stall_s`` (median, from a fault to the next step that got further than any step
@@ -351,6 +354,7 @@ def table_of(records: list[dict[str, Any]]) -> str:
                 "schedule": r["schedule"],
                 "variant": r["variant"],
                 "goodput": f"{r['goodput']:.3f}" if r["goodput"] is not None else "-",
+                "from 1st step": ratio(r.get("goodput_from_first_step")),
                 "faults": str(r["faults"]),
                 "executed/counted": f"{r['executed_steps']}/{r['counted_steps']}",
                 "lost/fault": "-" if r["lost_per_fault"] is None else f"{r['lost_per_fault']:.1f}",
@@ -363,6 +367,10 @@ def table_of(records: list[dict[str, Any]]) -> str:
             }
         )
     return table(rows)
+
+
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv: list[str]) -> None:
