@@ -107,6 +107,7 @@ class Launch(Ending):
         if config.checkpoint_dir is not None and scheme_of(config.checkpoint_dir) is None:
             make_private_dirs(config.checkpoint_dir)  # a store's prefix needs no making
         self._cancel_reason: str | None = None
+        self._no_restart: str | None = None  # set by stop_restarting
         self._lock = threading.Lock()
         self._attempt: _Attempt | None = None
         supervisor = threading.Thread(
@@ -219,6 +220,7 @@ class Launch(Ending):
                             failed,
                             self.config.max_restarts,
                             replica_group=self.replica_group is not None,
+                            no_restart=self._no_restart,
                         )
                         if final is not None:
                             raise final from failed.__cause__
@@ -259,6 +261,11 @@ class Launch(Ending):
             self._release_job_file()
             self._result = self._tracker.close(self._result, self._error)
             self._done.set()
+
+    def stop_restarting(self, reason: str) -> None:
+        """From now on a failed attempt ends the run (with ``reason``), whatever the budget:
+        a replica group whose peers finished would train alone."""
+        self._no_restart = reason
 
     def _tagged(self, attempt: Attempt) -> Attempt:
         """``attempt``, named by its replica group in a replica-group run."""

@@ -65,6 +65,9 @@ logger = logging.getLogger("sparkdist")
 
 #: How often the watcher looks at the groups (a group's end is seen within this).
 _POLL_S = 0.1
+#: Why a group is not relaunched once another has finished: torchft's groups take their last
+#: step together, so a relaunch after that would find no peer to heal from and train alone.
+_PEERS_FINISHED = "another replica group finished the training: a relaunch would train alone"
 
 
 def group_config(config: LaunchConfig, index: int) -> LaunchConfig:
@@ -164,6 +167,7 @@ class GroupedLaunch(Ending):
         the others going while ``min_replica_groups`` are left; any other error ends the run."""
         lost: dict[int, WorkerFailedError] = {}
         seen: set[int] = set()
+        training_done = False
         try:
             while not self._cancelled.is_set():
                 for index, group in enumerate(self._groups):
@@ -172,6 +176,10 @@ class GroupedLaunch(Ending):
                     seen.add(index)
                     error = _error_of(group)
                     if error is None:
+                        if not training_done:  # a relaunch from now on would train alone
+                            training_done = True
+                            for other in self._groups:
+                                other.stop_restarting(_PEERS_FINISHED)
                         continue
                     if not lost_for_good(error):
                         self._fail(group)
@@ -181,16 +189,16 @@ class GroupedLaunch(Ending):
                     too_few = too_few_groups(
                         lost, len(self._groups), self.config.min_replica_groups
                     )
-                    if too_few is not None:
+                    if too_few is not None and not training_done:
                         self._stop_groups("too few replica groups are left")
                         self._error = too_few
                         return
                     logger.warning(
-                        "sparkdist: run %s: replica group %d is lost for good (%s); the other "
-                        "groups go on",
+                        "sparkdist: run %s: replica group %d is lost for good (%s); %s",
                         self.run_id,
                         index,
                         error.root_cause.summary(),
+                        _PEERS_FINISHED if training_done else "the other groups go on",
                     )
                 if len(seen) == len(self._groups):
                     finished = [g.result(0) for i, g in enumerate(self._groups) if i not in lost]

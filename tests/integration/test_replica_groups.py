@@ -35,11 +35,12 @@ def train_in_groups(
     relaunch_delay_s: float = 0.0,
     kill_every_attempt: bool = False,
     groups_at_the_end: int = 3,
+    min_steps: int = MIN_STEPS,
 ) -> dict[str, object]:
     """DDP across replica groups with torchft: group 1 SIGKILLs itself (first attempt only),
     raises (every attempt) from the given step on, or hangs (first attempt only). Each group
     goes on until it has committed ``FULL_STEPS`` steps in a row with all three groups in the
-    quorum, and ``MIN_STEPS``."""
+    quorum, and ``min_steps``."""
     import time
 
     import torch
@@ -90,7 +91,7 @@ def train_in_groups(
             if committed:
                 participants.append(manager.num_participants())
                 full = participants[-FULL_STEPS:] == [groups_at_the_end] * FULL_STEPS
-                if full and manager.current_step() >= MIN_STEPS:  # the same step in every group
+                if full and manager.current_step() >= min_steps:  # the same step in every group
                     break
             time.sleep(0.02)  # the survivors must still be stepping when the relaunch joins
         return {
@@ -173,9 +174,10 @@ def test_a_hung_group_is_ended_whole_and_relaunched_while_the_others_go_on() -> 
 
 def test_a_group_lost_for_good_to_host_faults_leaves_the_others_going() -> None:
     # Group 1's rank is killed in every attempt (a host that keeps dying): after its one
-    # relaunch it is lost for good, and the two others finish without it.
+    # relaunch it is lost for good, and the two others finish without it (they go on long
+    # enough for the relaunch to come and die: no group is relaunched once one finished).
     result = _groups(max_restarts=1).run_all(
-        train_in_groups, 5, None, kill_every_attempt=True, groups_at_the_end=2
+        train_in_groups, 5, None, kill_every_attempt=True, groups_at_the_end=2, min_steps=200
     )
 
     assert sorted(v["group"] for v in result.values) == [0, 2]  # the finished groups' values
@@ -264,3 +266,40 @@ def test_each_group_checkpoints_on_its_own_and_a_new_run_resumes_from_them(
     assert [v["resumed_at"] for v in resumed] == [6, 6]
     assert [v["step"] for v in resumed] == [v["step"] for v in whole] == [10, 10]
     assert resumed[0]["weights"] == resumed[1]["weights"] == whole[0]["weights"]
+
+
+def finish_or_die_after_the_others(shared: str) -> int:
+    """Group 0 returns at once; group 1's first attempt dies (no exception of its own: a lost
+    host) once group 0's process has ended, its second attempt would return."""
+    import time
+
+    from sparkdist import runtime
+
+    pid_file = os.path.join(shared, "group-0")
+    if runtime.replica_group() == 0:
+        with open(pid_file + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        return 0
+    if runtime.restart_count() == 0:
+        while not os.path.exists(pid_file):
+            time.sleep(0.05)
+        pid = int(open(pid_file).read())
+        while os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.05)
+        time.sleep(2.0)  # the driver has seen group 0 finish
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1
+
+
+def test_a_group_lost_after_another_finished_is_not_relaunched(tmp_path: Path) -> None:
+    # The groups take their last step together: a relaunch after one finished would find no
+    # peer to heal from and train alone from the start, so the run ends with the finished ones.
+    result = _groups(num_processes=2, replica_groups=2).run_all(
+        finish_or_die_after_the_others, str(tmp_path)
+    )
+
+    assert result.values == [0]  # group 0's: group 1 never finished
+    lost = [a for a in result.attempts if a.replica_group == 1]
+    assert [a.number for a in lost] == [0], result.attempts  # not relaunched
+    assert lost[0].failure is not None and lost[0].failure.exit_code == -signal.SIGKILL

@@ -139,17 +139,20 @@ def final_error(
     max_restarts: int,
     *,
     replica_group: bool = False,
+    no_restart: str | None = None,
 ) -> WorkerFailedError | None:
     """The error the run ends with after ``failed`` (the last attempt of ``history``), or None
     when it restarts: with every attempt and its hosts once there were several.
-    ``replica_group``: ``history`` is one replica group's (``repeated_failure_stop``)."""
-    stop = start_failures_stop(history)
+    ``replica_group``: ``history`` is one replica group's (``repeated_failure_stop``);
+    ``no_restart``: why it restarts no more whatever its budget (a replica group whose peers
+    finished)."""
+    stop = start_failures_stop(history) or no_restart
     if stop is None and replica_group:
         stop = repeated_failure_stop(history)
     budget_left = failed_attempts(history) <= max_restarts
     if budget_left and stop is None:
         return None
-    if len(history) == 1:
+    if len(history) == 1 and not replica_group:  # a group's error always carries its history
         return failed
     return WorkerFailedError(
         failed.failures,
