@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,42 @@ RELAUNCH_DELAY_S = 2.0
 MAX_STEPS = 400
 
 
+def _replica(min_replica_size: int) -> tuple[Any, Any, Any]:
+    """This group's model (the same initial weights in every group), torchft's ``Manager`` over
+    it, and the optimizer wrapped by torchft."""
+    import torch
+    import torchft
+
+    from sparkdist import runtime
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    pg = torchft.ProcessGroupGloo()
+    manager = torchft.Manager(
+        pg=pg,
+        min_replica_size=min_replica_size,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        **runtime.torchft_manager_kwargs(pg),
+    )
+    optimizer = torchft.Optimizer(manager, torch.optim.SGD(model.parameters(), lr=0.05))
+    return model, manager, optimizer
+
+
+def _step(model: Any, manager: Any, optimizer: Any, step: int) -> None:
+    """One step on this group's batch for ``step``, gradients averaged over the quorum."""
+    import torch
+
+    from sparkdist import runtime
+
+    optimizer.zero_grad()  # starts the step's quorum
+    generator = torch.Generator().manual_seed(1000 * step + runtime.replica_group())
+    x = torch.randn(8, 4, generator=generator)
+    torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
+    runtime.average_gradients(manager, model)
+    optimizer.step()  # commits only when every group's allreduce went through
+
+
 def train_in_groups(
     kill_at_step: int | None,
     raise_at_step: int | None,
@@ -43,27 +80,13 @@ def train_in_groups(
     quorum, and ``min_steps``."""
     import time
 
-    import torch
-    import torchft
-
     from sparkdist import runtime
 
     group = runtime.replica_group()
     for _ in range(int(relaunch_delay_s / 0.1) if runtime.restart_count() else 0):
         time.sleep(0.1)  # the survivors must take steps without this group
         runtime.heartbeat()  # alive meanwhile (heartbeat_timeout_s)
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    pg = torchft.ProcessGroupGloo()
-    manager = torchft.Manager(
-        pg=pg,
-        min_replica_size=1,
-        load_state_dict=lambda state: model.load_state_dict(state["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        **runtime.torchft_manager_kwargs(pg),
-    )
-    wrapped = torchft.Optimizer(manager, optimizer)
+    model, manager, wrapped = _replica(min_replica_size=1)
     participants: list[int] = []
     first_step: int | None = None
     try:
@@ -78,12 +101,7 @@ def train_in_groups(
                 raise ValueError("a bad batch")
             if group == 1 and first_attempt and hang_at_step is not None and step >= hang_at_step:
                 time.sleep(600)  # hung: torchft's Manager still heartbeats on its own thread
-            wrapped.zero_grad()  # starts the step's quorum
-            generator = torch.Generator().manual_seed(1000 * step + group)
-            x = torch.randn(8, 4, generator=generator)
-            torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
-            runtime.average_gradients(manager, model)
-            wrapped.step()  # commits only when every group's allreduce went through
+            _step(model, manager, wrapped, step)
             runtime.report(step=manager.current_step())  # a step: the group is not hung
             committed = manager.current_step() > step
             if first_step is None:
@@ -202,45 +220,26 @@ def train_with_checkpoints(steps: int, save_at: int | None) -> dict[str, object]
     """Two replica groups train ``steps`` committed steps, each group saving its own checkpoint
     (the model and torchft's step) at step ``save_at``; a run that finds a checkpoint resumes
     from it: the durable tier beside torchft, for when every group is lost."""
-    import torch
-    import torchft
-
     from sparkdist import runtime
 
-    group = runtime.replica_group()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    pg = torchft.ProcessGroupGloo()
-    manager = torchft.Manager(
-        pg=pg,
-        min_replica_size=2,  # both groups in every step, so each run's steps are alike
-        load_state_dict=lambda state: model.load_state_dict(state["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        **runtime.torchft_manager_kwargs(pg),
-    )
+    # Both groups in every step, so each run's steps are alike.
+    model, manager, wrapped = _replica(min_replica_size=2)
     found = runtime.load_checkpoint()
     if found is not None:
         model.load_state_dict(found.state["model"])
         manager.load_state_dict(found.state["torchft"])
     resumed_at = manager.current_step()
-    wrapped = torchft.Optimizer(manager, optimizer)
     try:
         for _ in range(MAX_STEPS):
             step = manager.current_step()
             if step >= steps:
                 break
-            wrapped.zero_grad()
-            generator = torch.Generator().manual_seed(1000 * step + group)
-            x = torch.randn(8, 4, generator=generator)
-            torch.nn.functional.mse_loss(model(x), x[:, :2]).backward()
-            runtime.average_gradients(manager, model)
-            wrapped.step()
+            _step(model, manager, wrapped, step)
             if manager.current_step() > step and manager.current_step() == save_at:
                 state = {"model": model.state_dict(), "torchft": manager.state_dict()}
                 runtime.save_checkpoint(state, manager.current_step())
         return {
-            "group": group,
+            "group": runtime.replica_group(),
             "resumed_at": resumed_at,
             "step": manager.current_step(),
             "weights": [p.detach().clone().tolist() for p in model.parameters()],
