@@ -283,7 +283,8 @@ def finish_or_die_after_the_others(shared: str) -> int:
     if runtime.restart_count() == 0:
         while not os.path.exists(pid_file):
             time.sleep(0.05)
-        pid = int(open(pid_file).read())
+        with open(pid_file) as written:
+            pid = int(written.read())
         while os.path.exists(f"/proc/{pid}"):
             time.sleep(0.05)
         time.sleep(2.0)  # the driver has seen group 0 finish
